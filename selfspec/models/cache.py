@@ -1,0 +1,70 @@
+"""A static KV cache with a length pointer per layer (gpt-fast style): rollback is moving a pointer.
+
+Self-speculation runs the shallow layers [0, k) ahead of the deep layers [k, L), so each layer
+keeps its own length. Transformers' attention modules only call ``cache.update(k, v, layer_idx)``;
+this class answers that call, so the model's own attention code runs unchanged.
+
+Memory layout, one buffer per layer: keys/values ``# [batch, kv_heads, capacity, head_dim]``.
+Rows past a layer's length hold stale values from rejected drafts; they are never attended to
+because ``update`` returns only the filled prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-sequence KV storage for ``num_layers`` attention layers; grows by doubling when full."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        batch: int = 1,
+    ) -> None:
+        shape = (batch, num_kv_heads, max(capacity, 1), head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = [0] * num_layers
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def _grow(self, layer: int, needed: int) -> None:
+        new_cap = max(needed, 2 * self.capacity)
+        for buf in (self.keys, self.values):
+            old = buf[layer]
+            new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
+            new[:, :, : old.shape[2]] = old
+            buf[layer] = new
+
+    def update(
+        self,
+        key_states: torch.Tensor,  # [batch, kv_heads, new, head_dim]
+        value_states: torch.Tensor,  # [batch, kv_heads, new, head_dim]
+        layer_idx: int,
+        cache_kwargs: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new keys/values of ``layer_idx`` and return the layer's whole filled prefix."""
+        i = layer_idx
+        start = self.lengths[i]
+        end = start + key_states.shape[2]
+        if end > self.keys[i].shape[2]:
+            self._grow(i, end)
+        self.keys[i][:, :, start:end] = key_states
+        self.values[i][:, :, start:end] = value_states
+        self.lengths[i] = end
+        return self.keys[i][:, :, :end], self.values[i][:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lengths[layer_idx]
+
+    def truncate(self, length: int) -> None:
+        """Roll every layer back to at most ``length`` tokens (the accepted length)."""
+        self.lengths = [min(n, length) for n in self.lengths]

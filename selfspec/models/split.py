@@ -1,0 +1,143 @@
+"""Layer-split forward over a Hugging Face decoder-only model.
+
+``SplitModel`` exposes the target as a ladder of small pieces so the engine can run layers
+[0, k) for new tokens (the draft), keep their exit-layer hidden states, and later run layers
+[k, L) over those cached states (the verification), all writing one ``KVCache``:
+
+    h = split.embed(ids)                              # [batch, n, hidden]
+    h_k = split.run_layers(h, 0, k, positions, cache)  # shallow: draft
+    h_L = split.run_layers(h_k, k, L, positions, cache)  # deep: verify
+    logits = split.logits(h_L)                        # final norm + LM head
+
+The decoder layers are transformers' own modules, called directly: no config is mutated and
+no weights are copied. Masks are built here (causal, with a sliding window where the
+architecture has one) from each layer's own cache length, since in a split forward the shallow
+layers already hold tokens the deep layers have not seen yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from selfspec.errors import UnsupportedArchitectureError
+from selfspec.models.cache import KVCache
+
+# model_type -> human name. The layer-split forward relies on the Llama-style layout
+# (model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head).
+SUPPORTED_ARCHITECTURES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma3_text": "Gemma 3 (text)",
+    "phi3": "Phi-3",
+}
+
+
+def check_supported(model_type: str) -> None:
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        names = ", ".join(f"{v} ({k})" for k, v in SUPPORTED_ARCHITECTURES.items())
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture '{model_type}': selfspec supports {names}"
+        )
+
+
+class SplitModel:
+    """The target model seen as embed -> layers[i:j] -> final norm -> LM head."""
+
+    def __init__(self, model: nn.Module) -> None:
+        cfg = model.config
+        check_supported(cfg.model_type)
+        self.model = model
+        self.config = cfg
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens  # Gemma's scaled embedding scales inside
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.rotary_emb = inner.rotary_emb
+        self.lm_head = model.lm_head
+        self.num_layers: int = cfg.num_hidden_layers
+        self.softcap: float | None = getattr(cfg, "final_logit_softcapping", None)
+        self._rotary_by_type = cfg.model_type == "gemma3_text"
+        layer_types = getattr(cfg, "layer_types", None)
+        window = getattr(cfg, "sliding_window", None)
+        if layer_types is None:  # Mistral / Phi-3: one window (or none) for every layer
+            layer_types = ["sliding_attention" if window else "full_attention"] * self.num_layers
+        self.layer_types: list[str] = list(layer_types)
+        self.windows: list[int | None] = [window if t == "sliding_attention" else None for t in self.layer_types]
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_kv_heads: int = cfg.num_key_value_heads
+        self.hidden_size: int = cfg.hidden_size
+        self.vocab_size: int = cfg.vocab_size
+        self.context_length: int = getattr(cfg, "max_position_embeddings", None) or 2048
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+
+    # ---- the ladder -------------------------------------------------------------------
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device, batch)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # ids [batch, n] -> [batch, n, hidden]
+        return self.embed_tokens(ids)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,  # [batch, n, hidden]
+        start: int,
+        end: int,
+        positions: torch.Tensor,  # [batch, n] absolute positions
+        cache: KVCache,
+    ) -> torch.Tensor:  # [batch, n, hidden]
+        """Run decoder layers [start, end) on ``h``, appending their keys/values to ``cache``."""
+        if start >= end:
+            return h
+        n = h.shape[1]
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
+        for i in range(start, end):
+            kind = self.layer_types[i]
+            if kind not in rotary:
+                rotary[kind] = self.rotary_emb(h, positions, kind) if self._rotary_by_type else self.rotary_emb(h, positions)
+            key = (cache.lengths[i] + n, self.windows[i])
+            if key not in masks:
+                masks[key] = causal_mask(n, key[0], key[1], h.device)
+            h = self.layers[i](
+                h,
+                attention_mask=masks[key],
+                position_ids=positions,
+                past_key_values=cache,
+                position_embeddings=rotary[kind],
+            )
+        return h
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+    def head_logits(self, h_normed: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] float32
+        logits = self.lm_head(h_normed)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # last-layer states -> logits
+        return self.head_logits(self.norm(h))
+
+    def forward_all(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Plain full forward of new tokens (all layers), returning the final hidden states."""
+        return self.run_layers(self.embed(ids), 0, self.num_layers, positions, cache)
+
+
+def causal_mask(q_len: int, kv_len: int, window: int | None, device: torch.device | str) -> torch.Tensor | None:
+    """Boolean attention mask ``# [1, 1, q_len, kv_len]`` (True = attend) for ``q_len`` new tokens at the
+    end of a ``kv_len``-long cache, or None when plain full attention is already right (one query, no
+    window cut). Query i sits at absolute position kv_len - q_len + i and sees keys j <= that position
+    (and j > position - window under a sliding window, as transformers' sliding_window_overlay)."""
+    if q_len == 1 and (window is None or kv_len <= window):
+        return None
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask[None, None]

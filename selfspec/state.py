@@ -1,0 +1,25 @@
+"""Per-sequence decoding state. Nothing per-sequence lives in globals or in the model objects, so
+several sequences (batching, a server's queue) can be decoded by one engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from selfspec.models.cache import KVCache
+
+
+@dataclass
+class SequenceState:
+    cache: KVCache  # target KV, all layers
+    length: int = 0  # tokens whose KV is final in every layer (prompt + accepted outputs)
+    pending: int = -1  # last emitted token, not yet in the cache; the next round starts from it
+    generator: torch.Generator | None = None
+    head_state: Any = None  # the exit head's own state (Kangaroo adapter KV), if any
+    head_backlog: torch.Tensor | None = None  # [1, b, hidden] exit states of positions the head has not seen
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def positions(self, start: int, n: int) -> torch.Tensor:  # [1, n]
+        return torch.arange(start, start + n, device=self.cache.keys[0].device).unsqueeze(0)

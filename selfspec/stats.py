@@ -1,0 +1,58 @@
+"""Statistics of one generation: what the API returns and the benchmarks record."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # target verification steps after the prefill (plain decoding: one per token)
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step, bonus included
+    proposed_per_position: list[int] = field(default_factory=list)  # draft tokens proposed at position i
+    accepted_per_position: list[int] = field(default_factory=list)  # ... and accepted
+    prefill_time: float = 0.0  # seconds, prompt forward and first token
+    wall_time: float = 0.0  # seconds, whole generation (prefill included)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Output tokens per target verification step, bonus included (plain decoding: 1.0)."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    def record_step(self, proposed: int, accepted: int) -> None:
+        self.steps += 1
+        self.accept_lengths.append(accepted + 1)
+        while len(self.proposed_per_position) < proposed:
+            self.proposed_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for i in range(proposed):
+            self.proposed_per_position[i] += 1
+            if i < accepted:
+                self.accepted_per_position[i] += 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            mean_accepted_length=self.mean_accepted_length,
+            acceptance_rate_per_position=self.acceptance_rate_per_position,
+            tokens_per_second=self.tokens_per_second,
+        )
+        return d
+
+    def summary(self) -> str:
+        rates = " ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position)
+        return (
+            f"{self.new_tokens} tokens in {self.wall_time:.2f}s ({self.tokens_per_second:.1f} tok/s), "
+            f"{self.steps} steps, mean accepted length {self.mean_accepted_length:.2f}"
+            + (f", acceptance per position [{rates}]" if rates else "")
+        )

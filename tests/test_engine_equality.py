@@ -1,0 +1,114 @@
+"""Losslessness on tiny random models of every supported architecture: the engine's greedy output is
+token-for-token transformers' greedy generate, for every exit layer, several gamma, both policies,
+prompt lengths from 1 token up, and EOS inside accepted drafts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, LAYERS, VOCAB, hf_greedy, tiny_model
+
+from selfspec import DraftConfig, SelfSpec
+
+NEW = 24
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_transformers_every_exit_layer(arch):
+    model = tiny_model(arch)
+    ss = SelfSpec(model, None)
+    drafted = accepted = 0
+    for plen in (1, 6, 19):
+        prompt = prompt_of(plen, plen)
+        ref = hf_greedy(model, prompt, NEW)
+        assert len(ref) == NEW
+        assert ss.generate(prompt, method="plain", max_new_tokens=NEW).token_ids == ref
+        for k in range(1, LAYERS + 1):
+            for gamma in (1, 3, 6):
+                for policy in ("fixed", "confidence"):
+                    ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=gamma, policy=policy, threshold=0.1))
+                    out = ss.generate(prompt, max_new_tokens=NEW)
+                    assert out.token_ids == ref, f"exit {k} gamma {gamma} {policy} prompt {plen}"
+                    assert out.stats.new_tokens == NEW
+                    drafted += sum(out.stats.proposed_per_position)
+                    accepted += sum(out.stats.accepted_per_position)
+    # the cases above must exercise both acceptance and rejection
+    assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3"])
+def test_kangaroo_adapter_is_lossless(arch):
+    from selfspec.heads.io import new_head
+
+    model = tiny_model(arch)
+    ss = SelfSpec(model, None)
+    prompt = prompt_of(11, 3)
+    ref = hf_greedy(model, prompt, NEW)
+    for k in (1, 2, 3):
+        head = new_head("kangaroo", ss.split, k)
+        head.init_from_target()
+        torch.manual_seed(k)
+        with torch.no_grad():
+            head.o_proj.weight.normal_(0, 0.05)  # a non-trivial attention contribution
+        ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=4))
+        ss.engine.drafter.head = head
+        for policy in ("fixed", "confidence"):
+            from selfspec.drafting.policies import make_policy
+
+            ss.engine.drafter.policy = make_policy(policy, 0.1)
+            assert ss.generate(prompt, max_new_tokens=NEW).token_ids == ref, (k, policy)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_eos_inside_accepted_drafts(arch):
+    model = tiny_model(arch)
+    ss = SelfSpec(model, None)
+    prompt = prompt_of(5, 7)
+    ref = hf_greedy(model, prompt, NEW)
+    eos = ref[9]
+    want = hf_greedy(model, prompt, NEW, eos=[eos])
+    assert want[-1] == eos and len(want) <= 10
+    for k in (2, LAYERS):  # LAYERS: the perfect draft, so EOS sits inside an accepted block
+        ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=6))
+        out = ss.generate(prompt, max_new_tokens=NEW, eos_token_ids=[eos])
+        assert out.token_ids == want
+        assert out.finish_reason == "stop"
+    assert max(out.stats.accept_lengths) > 1
+
+
+def test_max_new_tokens_exact_and_deterministic():
+    model = tiny_model("llama")
+    ss = SelfSpec(model, None, DraftConfig(exit_layer=LAYERS, head="lm", gamma=6))
+    prompt = prompt_of(4, 1)
+    for n in (1, 2, 5, 7, 13):
+        out = ss.generate(prompt, max_new_tokens=n)
+        assert len(out.token_ids) == n and out.finish_reason == "length"
+        assert out.token_ids == hf_greedy(model, prompt, n)
+    a = ss.generate(prompt, max_new_tokens=9, temperature=0.8, seed=5).token_ids
+    b = ss.generate(prompt, max_new_tokens=9, temperature=0.8, seed=5).token_ids
+    assert a == b
+
+
+def test_perfect_and_random_heads_bound_acceptance():
+    from selfspec.heads.io import new_head
+
+    model = tiny_model("qwen2")
+    ss = SelfSpec(model, None, DraftConfig(exit_layer=LAYERS, head="lm", gamma=4))
+    prompt = prompt_of(8, 2)
+    out = ss.generate(prompt, max_new_tokens=40)
+    assert out.stats.acceptance_rate_per_position == [1.0] * 4  # exit at L: the draft is the target
+    ss.set_draft(DraftConfig(exit_layer=2, head="lm", gamma=4))
+    torch.manual_seed(0)
+    head = new_head("kangaroo", ss.split, 2)  # random, untrained weights
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 1.0)
+    ss.engine.drafter.head = head
+    out = ss.generate(prompt, max_new_tokens=40)
+    assert out.token_ids == hf_greedy(model, prompt, 40)
+    assert sum(out.stats.accepted_per_position) / sum(out.stats.proposed_per_position) < 0.15
