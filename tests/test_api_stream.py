@@ -1,0 +1,77 @@
+"""Python API on the real default model: chat template, streaming, stop strings, stats, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from selfspec import DraftConfig
+from selfspec.textstream import TextStream
+
+MSG = [{"role": "user", "content": "Name three colors of the rainbow, one per line."}]
+
+
+class CharTokenizer:
+    """Each id is one character; id 0 decodes to an incomplete UTF-8 marker."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("\ufffd" if i == 0 else chr(i) for i in ids)
+
+
+def test_textstream_holds_back_stop_prefixes_and_partial_chars():
+    ts = TextStream(CharTokenizer(), stop=["END"])
+    out = [ts.push(ord(c)) for c in "abE"]
+    assert out == ["a", "b", ""]  # "E" may start "END"
+    assert ts.push(ord("x")) == "Ex"
+    assert ts.push(0) == ""  # partial character waits
+    ts.ids[-1] = ord("y")  # the byte completed
+    assert ts.push(ord("E")) == "y"
+    assert ts.push(ord("N")) == "" and ts.push(ord("D")) == ""
+    assert ts.stopped and ts.text == "abExy"
+    ts2 = TextStream(CharTokenizer(), stop=["END"])
+    for c in "okEN":
+        ts2.push(ord(c))
+    assert ts2.flush() == "EN"  # unfinished stop prefix at the end is text
+
+
+@pytest.mark.slow
+def test_stream_equals_generate_and_stops(default_ss):
+    ss = default_ss
+    ss.set_draft(DraftConfig(exit_layer=20, head="lm", gamma=4))
+    full = ss.generate(MSG, max_new_tokens=48)
+    events = list(ss.stream(MSG, max_new_tokens=48))
+    assert "".join(e.text for e in events) == full.text
+    assert sum((e.token_ids for e in events), []) == full.token_ids
+    assert events[-1].result is not None and events[-1].result.text == full.text
+    assert full.stats.steps >= 1 and full.stats.new_tokens == len(full.token_ids)
+    plain = ss.generate(MSG, max_new_tokens=48, method="plain")
+    assert plain.token_ids == full.token_ids and plain.stats.mean_accepted_length == 1.0
+    # a stop string taken from the output: text ends right before it, finish_reason "stop"
+    words = full.text.split()
+    assert len(words) > 4, full.text
+    stop = words[3]
+    cut = ss.generate(MSG, max_new_tokens=48, stop=[stop])
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert full.text.startswith(cut.text) and len(cut.text) == full.text.index(stop)
+    streamed = "".join(e.text for e in ss.stream(MSG, max_new_tokens=48, stop=[stop]))
+    assert streamed == cut.text
+
+
+@pytest.mark.slow
+def test_cli_generate_streams_text_and_stats():
+    r = subprocess.run(
+        [sys.executable, "-m", "selfspec.cli", "generate", "Say hello.", "--max-new-tokens", "12",
+         "--exit-layer", "12", "--head", "lm"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "mean accepted length" in r.stderr and "exit layer 12" in r.stderr
+    bad = subprocess.run([sys.executable, "-m", "selfspec.cli", "generate", "x", "--exit-layer", "31", "--head", "lm"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "exit layer 31 is out of range" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "selfspec.cli", "generate", "x", "--model", "/no/such/model"],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "/no/such/model" in missing.stderr
