@@ -79,3 +79,20 @@ def test_bad_inputs_give_clear_errors_and_engine_still_works():
     # after all of that, the engine still generates the target's greedy output
     assert ss.generate(prompt, max_new_tokens=12).token_ids == ref
     assert ss.draft_config.exit_layer == 2
+
+
+def test_unknown_model_path_and_unsupported_architecture(tmp_path):
+    import transformers as tf
+
+    from selfspec.errors import ModelNotFoundError, UnsupportedArchitectureError
+
+    with pytest.raises(ModelNotFoundError, match="/no/such/model"):
+        SelfSpec.load("/no/such/model")
+    with pytest.raises(ModelNotFoundError, match="missing.gguf"):
+        SelfSpec.load(str(tmp_path / "missing.gguf"))
+    gpt2 = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    gpt2.save_pretrained(tmp_path / "gpt2")  # a config only: the check runs before any weights are read
+    with pytest.raises(UnsupportedArchitectureError, match=r"unsupported architecture 'gpt2'.*Llama.*Qwen2.*Phi-3"):
+        SelfSpec.load(str(tmp_path / "gpt2"))
+    with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
+        SelfSpec(tf.GPT2LMHeadModel(gpt2), None)
