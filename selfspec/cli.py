@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     from selfspec.bench.quick import add_parser as add_quick
 
     add_quick(sub)
+    from selfspec.train.cli import add_parsers as add_train
+
+    add_train(sub)
     return p
 
 

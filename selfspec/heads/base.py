@@ -47,7 +47,13 @@ def check_fingerprint(saved: dict[str, Any], split: SplitModel, where: str) -> N
 
 class ExitHead(nn.Module):
     """Base class. Subclasses set ``kind`` and implement ``forward``; stateful ones also
-    ``new_state`` / ``rollback`` / ``seen``."""
+    ``new_state`` / ``rollback`` / ``seen``.
+
+    VocabTrim (see METHODS.md): ``trim_vocab(ids)`` restricts the draft's LM head to a few thousand
+    frequent token ids. The head then computes only those rows of the frozen LM head and returns
+    -inf for every other token, so drafting gets cheaper while verification (always the full
+    vocabulary) keeps the output lossless.
+    """
 
     kind: str = "base"
     stateful: bool = False
@@ -57,6 +63,32 @@ class ExitHead(nn.Module):
         # The target is held outside the module tree: saving a head never saves target weights.
         object.__setattr__(self, "split", split)
         self.exit_layer = exit_layer
+        self.register_buffer("vocab_ids", torch.empty(0, dtype=torch.long))  # [n] kept ids; empty = all
+        self._trim_weight: torch.Tensor | None = None  # [n, hidden] rows of the frozen LM head
+
+    def args(self) -> dict[str, Any]:
+        """Constructor arguments beyond (split, exit_layer), written into head_config.json."""
+        return {}
+
+    def trim_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft only among ``ids`` (``# [n]`` token ids); None restores the full vocabulary."""
+        if ids is None or len(ids) == 0:
+            self.vocab_ids = torch.empty(0, dtype=torch.long, device=self.split.device)
+        else:
+            self.vocab_ids = torch.as_tensor(ids, dtype=torch.long, device=self.split.device).unique()
+        self._trim_weight = None
+
+    def lm_logits(self, x_normed: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] float32
+        """The frozen LM head on normed states (over the trimmed vocabulary when one is set)."""
+        if len(self.vocab_ids) == 0:
+            return self.split.head_logits(x_normed)
+        if self._trim_weight is None or self._trim_weight.device != x_normed.device:
+            self._trim_weight = self.split.lm_head.weight[self.vocab_ids].detach().contiguous()
+        part = torch.nn.functional.linear(x_normed, self._trim_weight)
+        if self.split.softcap is not None:
+            part = torch.tanh(part / self.split.softcap) * self.split.softcap
+        out = part.new_full((*part.shape[:-1], self.split.vocab_size), float("-inf"), dtype=torch.float32)
+        return out.index_copy_(-1, self.vocab_ids, part.float())
 
     def new_state(self, capacity: int) -> Any:
         return None
@@ -82,4 +114,4 @@ class LMExitHead(ExitHead):
     kind = "lm"
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, state: Any = None) -> torch.Tensor:
-        return self.split.logits(h)
+        return self.lm_logits(self.split.norm(h))

@@ -13,9 +13,10 @@ from safetensors.torch import load_file, save_file
 from selfspec.errors import ExitLayerError, HeadMismatchError, ModelNotFoundError
 from selfspec.heads.base import ExitHead, LMExitHead, check_fingerprint, model_fingerprint
 from selfspec.heads.kangaroo import KangarooAdapter
+from selfspec.heads.linear import LinearHead
 from selfspec.models.split import SplitModel
 
-HEAD_KINDS: dict[str, type[ExitHead]] = {"kangaroo": KangarooAdapter}
+HEAD_KINDS: dict[str, type[ExitHead]] = {"kangaroo": KangarooAdapter, "linear": LinearHead}
 CONFIG_NAME, WEIGHTS_NAME = "head_config.json", "head.safetensors"
 
 
@@ -27,13 +28,14 @@ def check_exit_layer(exit_layer: int, split: SplitModel) -> None:
         )
 
 
-def new_head(kind: str, split: SplitModel, exit_layer: int) -> ExitHead:
+def new_head(kind: str, split: SplitModel, exit_layer: int, **args: Any) -> ExitHead:
+    """A fresh head of ``kind`` ('lm', 'kangaroo', 'linear'); ``args`` are the kind's own settings."""
     check_exit_layer(exit_layer, split)
     if kind == "lm":
         return LMExitHead(split, exit_layer)
     if kind not in HEAD_KINDS:
         raise HeadMismatchError(f"unknown head kind '{kind}' (known: lm, {', '.join(HEAD_KINDS)})")
-    return HEAD_KINDS[kind](split, exit_layer)
+    return HEAD_KINDS[kind](split, exit_layer, **args)
 
 
 def read_head_config(path: str | Path) -> dict[str, Any]:
@@ -47,7 +49,11 @@ def save_head(head: ExitHead, path: str | Path, extra: dict[str, Any] | None = N
     """Write the head atomically (a temp dir renamed into place), with what it was trained for."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    cfg = {"kind": head.kind, "exit_layer": head.exit_layer, "model": model_fingerprint(head.split), **(extra or {})}
+    cfg = {
+        "kind": head.kind, "exit_layer": head.exit_layer, "args": head.args(),
+        "vocab_size_drafted": len(head.vocab_ids) or head.split.vocab_size,
+        "model": model_fingerprint(head.split), **(extra or {}),
+    }
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     save_file(state, str(tmp / WEIGHTS_NAME))
@@ -67,10 +73,17 @@ def load_head(path: str | Path, split: SplitModel, exit_layer: int | None = None
         raise HeadMismatchError(
             f"exit head '{path}' was trained for exit layer {cfg['exit_layer']}, not {exit_layer}"
         )
-    head = new_head(cfg["kind"], split, cfg["exit_layer"])
+    head = new_head(cfg["kind"], split, cfg["exit_layer"], **cfg.get("args", {}))
     state = load_file(str(Path(path) / WEIGHTS_NAME), device=str(split.device))
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise HeadMismatchError(f"exit head '{path}' weights do not fit: missing {missing}, unexpected {unexpected}")
+    head.trim_vocab(state.pop("vocab_ids", None))  # its length varies with the trim
+    own = {n: t for n, t in head.state_dict().items() if n != "vocab_ids"}
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    wrong = [n for n in own if n in state and state[n].shape != own[n].shape]
+    if missing or unexpected or wrong:
+        raise HeadMismatchError(
+            f"exit head '{path}' weights do not fit a '{cfg['kind']}' head for this model: "
+            f"missing {missing}, unexpected {unexpected}, other shapes {wrong}"
+        )
+    head.load_state_dict(state, strict=False)
     head.to(dtype=split.dtype)
     return head.eval().requires_grad_(False)

@@ -106,4 +106,4 @@ class KangarooAdapter(ExitHead):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         x = h + self.o_proj(attn.transpose(1, 2).reshape(b, n, -1))
-        return self.split.head_logits(self.norm_out(x))
+        return self.lm_logits(self.norm_out(x))
