@@ -95,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from selfspec.bench.quick import add_parser as add_quick
+    from selfspec.bench.specbench import add_parser as add_bench
 
     add_quick(sub)
+    add_bench(sub)
     from selfspec.train.cli import add_parsers as add_train
 
     add_train(sub)

@@ -1,0 +1,306 @@
+"""The decoding methods ``selfspec bench`` times, parsed from spec strings, and how one turn is run.
+
+Spec strings (``--methods``, repeatable or comma-separated):
+
+    hf                                  transformers ``generate(do_sample=False)``: the baseline
+    hf-prompt-lookup[:num_tokens=N]     transformers prompt lookup decoding (N: the bench's setting, 10)
+    hf-early-exit[:exit_layer=K]        transformers ``assistant_early_exit=K`` (LayerSkip-style
+                                        self-speculation, no KV sharing); K: the bench's exit layer
+    plain                               selfspec's own autoregressive path (``method="plain"``)
+    selfspec-lm[-POLICY]                untrained exit (final norm + LM head) at the bench's exit layer
+    selfspec-trained[-POLICY]           the trained head (``--head``, or the bundled one) at its own layer
+    selfspec[:KEY=VALUE,...]            any DraftConfig: exit_layer, head (lm | trained | a head
+                                        directory), gamma, policy, threshold; unset keys take the
+                                        bench's defaults
+    NAME=SPEC                           any of the above, recorded under NAME
+
+POLICY is any drafting policy of DraftConfig (fixed, confidence, ...); without one, ``fixed``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from selfspec.config import DraftConfig, GenerateConfig
+from selfspec.errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from selfspec.api import SelfSpec
+    from selfspec.bench.specbench import BenchConfig
+
+HF_KINDS = ("hf", "hf-prompt-lookup", "hf-early-exit")
+KINDS = (*HF_KINDS, "plain", "selfspec")
+
+
+def policies() -> list[str]:
+    """Every drafting policy DraftConfig accepts (the engine's registry of policies)."""
+    f = next(f for f in fields(DraftConfig) if f.name == "policy")
+    return list(f.metadata.get("choices", ["fixed"]))
+
+
+@dataclass
+class Method:
+    """One timed method: a kind plus its settings (a DraftConfig for selfspec kinds)."""
+
+    name: str
+    kind: str
+    spec: str
+    draft: DraftConfig | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # generate kwargs of the hf peers
+    info: dict[str, Any] = field(default_factory=dict)  # resolved facts: exit layer, layers, head config
+
+    def settings(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "spec": self.spec,
+                "draft": asdict(self.draft) if self.draft is not None else None,
+                "options": dict(self.options), "info": dict(self.info)}
+
+
+@dataclass
+class TurnResult:
+    """One timed generation (one turn of one question)."""
+
+    token_ids: list[int]
+    wall_time: float
+    decoding_steps: int  # target verification steps after the prefill
+    accept_lengths: list[int]  # tokens emitted per step, bonus included ([] when unknown)
+    draft_tokens: int | None = None  # draft tokens proposed (selfspec kinds)
+    prompt_tokens: int = 0
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def split_specs(values: list[str]) -> list[str]:
+    """Split comma-separated method lists, keeping ``selfspec:a=1,b=2`` specs whole."""
+    out: list[str] = []
+    for value in values:
+        for piece in (p.strip() for p in value.split(",")):
+            if not piece:
+                continue
+            continues = out and ":" in out[-1] and "=" in piece and ":" not in piece
+            if continues:
+                out[-1] += "," + piece
+            else:
+                out.append(piece)
+    return out
+
+
+def trained_head(cfg: BenchConfig, ss: SelfSpec) -> str | None:
+    """The trained head directory of the ``selfspec-trained`` presets, or None when there is none."""
+    from selfspec.api import bundled_head_dir
+    from selfspec.heads.io import read_head_config
+
+    if cfg.head in ("", "lm", "none"):
+        return None
+    if cfg.head == "auto":
+        bundled = bundled_head_dir(ss.model_id)
+        return str(bundled) if bundled is not None else None
+    read_head_config(cfg.head)  # a clear error if the directory holds no head
+    return cfg.head
+
+
+def bench_exit_layer(cfg: BenchConfig, ss: SelfSpec) -> int:
+    """The exit layer shared by the untrained presets and hf-early-exit: --exit-layer, else the trained
+    head's layer, else L // 4."""
+    from selfspec.heads.io import read_head_config
+
+    if cfg.exit_layer is not None:
+        return cfg.exit_layer
+    head = trained_head(cfg, ss)
+    if head is not None:
+        return int(read_head_config(head)["exit_layer"])
+    return max(1, ss.split.num_layers // 4)
+
+
+def default_specs(cfg: BenchConfig, ss: SelfSpec) -> list[str]:
+    """Every method: the hf peers, plain, and every policy with the untrained and the trained head."""
+    pol = [p for p in policies() if p != "fixed"]
+    specs = ["hf", "hf-prompt-lookup", "hf-early-exit", "plain", "selfspec-lm", *(f"selfspec-lm-{p}" for p in pol)]
+    if trained_head(cfg, ss) is not None:
+        specs += ["selfspec-trained", *(f"selfspec-trained-{p}" for p in pol)]
+    return specs
+
+
+def _convert(name: str, value: str) -> Any:
+    f = next((f for f in fields(DraftConfig) if f.name == name), None)
+    if f is None:
+        known = ", ".join(f.name for f in fields(DraftConfig))
+        raise InvalidConfigError(f"unknown selfspec setting '{name}' (known: {known})")
+    if value.lower() in ("none", "null") and "None" in str(f.type):
+        return None
+    t = str(f.type)
+    try:
+        if t.startswith("int"):
+            return int(value)
+        if t.startswith("float"):
+            return float(value)
+    except ValueError as e:
+        raise InvalidConfigError(f"selfspec setting {name}={value!r} is not a number") from e
+    return value
+
+
+def _pairs(text: str, spec: str) -> dict[str, str]:
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in part:
+            raise InvalidConfigError(f"method '{spec}': expected KEY=VALUE, got '{part}'")
+        k, v = part.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=+-]+", "_", text).strip("_") or "method"
+
+
+def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
+    """A spec string -> a Method with every setting resolved (see the module docstring)."""
+    alias = None
+    head_part = spec.split(":", 1)[0]
+    if "=" in head_part:  # NAME=SPEC
+        alias, spec = spec.split("=", 1)
+        alias = alias.strip()
+    base, _, rest = spec.partition(":")
+    kv = _pairs(rest, spec)
+    k = bench_exit_layer(cfg, ss)
+    if base in ("hf", "plain"):
+        if kv:
+            raise InvalidConfigError(f"method '{base}' takes no settings, got {kv}")
+        return Method(alias or base, base, spec)
+    if base == "hf-prompt-lookup":
+        n = int(kv.pop("num_tokens", cfg.prompt_lookup_num_tokens))
+        _no_more(kv, spec)
+        name = alias or (base if n == 10 else f"{base}-n{n}")
+        return Method(name, base, spec, options={"prompt_lookup_num_tokens": n})
+    if base == "hf-early-exit":
+        layer = int(kv.pop("exit_layer", k))
+        _no_more(kv, spec)
+        name = alias or (base if "exit_layer" not in rest else f"{base}-k{layer}")
+        return Method(name, base, spec, options={"assistant_early_exit": layer},
+                      info={"exit_layer": layer, "num_layers": ss.split.num_layers})
+    draft = DraftConfig(exit_layer=k, head="lm", gamma=cfg.gamma, policy="fixed", threshold=cfg.threshold)
+    if base == "selfspec":
+        values = {key: _convert(key, v) for key, v in kv.items()}
+        if values.get("head") == "trained":
+            values["head"] = _need_trained(cfg, ss, spec)
+        if values.get("head") == "auto":  # DraftConfig's 'auto': the bundled head if any, else lm
+            from selfspec.api import bundled_head_dir
+
+            values["head"] = str(bundled_head_dir(ss.model_id) or "lm")
+        if values.get("head", "lm") != "lm" and "exit_layer" not in values:
+            values["exit_layer"] = None  # a trained head drafts at its own layer
+        draft = replace(draft, **values)
+        name = alias
+    else:
+        m = re.fullmatch(r"selfspec-(lm|trained)(?:-(\w+))?", base)
+        if m is None:
+            raise InvalidConfigError(f"unknown method '{spec}' (known: {', '.join(KINDS)}, selfspec-lm[-POLICY], "
+                                     f"selfspec-trained[-POLICY], selfspec:KEY=VALUE,..., NAME=SPEC)")
+        _no_more(kv, spec)
+        if m.group(1) == "trained":
+            draft = replace(draft, head=_need_trained(cfg, ss, spec), exit_layer=None)
+        draft = replace(draft, policy=m.group(2) or "fixed")
+        name = alias or base
+    ss.set_draft(draft)  # validates exit layer, head and policy now, not mid-run
+    draft = ss.draft_config
+    if name is None:
+        head = "lm" if draft.head == "lm" else Path(draft.head).name
+        name = f"selfspec-k{draft.exit_layer}-{head}-g{draft.gamma}-{draft.policy}"
+        name += f"{draft.threshold:g}" if draft.policy != "fixed" else ""
+    info = {"exit_layer": draft.exit_layer, "num_layers": ss.split.num_layers, "head_kind": ss.head.kind}
+    if draft.head != "lm":
+        from selfspec.heads.io import read_head_config
+
+        info["head_config"] = read_head_config(draft.head)
+    return Method(_slug(name), "selfspec", spec, draft=draft, info=info)
+
+
+def _no_more(kv: dict[str, str], spec: str) -> None:
+    if kv:
+        raise InvalidConfigError(f"method '{spec}': unknown settings {sorted(kv)}")
+
+
+def _need_trained(cfg: BenchConfig, ss: SelfSpec, spec: str) -> str:
+    head = trained_head(cfg, ss)
+    if head is None:
+        raise InvalidConfigError(
+            f"method '{spec}' needs a trained exit head: give --head DIR (no bundled head for {ss.model_id})"
+        )
+    return head
+
+
+def resolve_methods(specs: list[str], cfg: BenchConfig, ss: SelfSpec) -> list[Method]:
+    """Parse every spec (the defaults when none is given); names must be unique."""
+    methods = [parse_method(s, cfg, ss) for s in split_specs(specs) or default_specs(cfg, ss)]
+    names = [m.name for m in methods]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise InvalidConfigError(f"method names must be unique, repeated: {dup} (use NAME=SPEC)")
+    return methods
+
+
+# ---- running one turn ------------------------------------------------------------------------
+def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) -> TurnResult:
+    """Generate greedily for one turn and time it (prefill included, tokenization excluded)."""
+    if method.kind in HF_KINDS:
+        return _run_hf(ss, ids, max_new_tokens, method.options)
+    gen = GenerateConfig(max_new_tokens=max_new_tokens, ignore_eos=False)
+    if method.kind == "selfspec":
+        ss.set_draft(method.draft)  # untimed; an adaptive policy starts afresh each turn
+    r = ss.generate(ids, gen, method="plain" if method.kind == "plain" else "selfspec")
+    st = r.stats
+    drafted = sum(st.proposed_per_position) if method.kind == "selfspec" else 0
+    return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids))
+
+
+def _run_hf(ss: SelfSpec, ids: list[int], max_new_tokens: int, options: dict[str, Any]) -> TurnResult:
+    """transformers' generate. Its target forwards are seen by a hook on the last decoder layer (drafts
+    of assistant_early_exit stop earlier): their positions give the tokens emitted per step."""
+    starts: list[int | None] = []  # first position of each target forward
+
+    def hook(_module: Any, _args: tuple, kwargs: dict) -> None:
+        pos = kwargs.get("position_ids")
+        starts.append(int(pos.reshape(-1)[0]) if isinstance(pos, torch.Tensor) else None)
+
+    model = ss.model
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    pad = pad if pad is not None else (ss.eos_token_ids[0] if ss.eos_token_ids else 0)
+    x = torch.tensor([ids], dtype=torch.long, device=ss.split.device)
+    handle = ss.split.layers[-1].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
+                                 min_new_tokens=0, eos_token_id=ss.eos_token_ids or None, pad_token_id=pad,
+                                 top_k=None, top_p=None, temperature=None, **options)
+        wall = time.perf_counter() - t0
+    finally:
+        handle.remove()
+    new = out[0, len(ids):].tolist()
+    eos = set(ss.eos_token_ids)
+    for i, t in enumerate(new):  # batch 1 has no padding, but be safe: cut after the first EOS
+        if t in eos:
+            new = new[: i + 1]
+            break
+    steps, accepts = hf_steps(starts, len(ids), len(new))
+    return TurnResult(new, wall, steps, accepts, None, len(ids))
+
+
+def hf_steps(starts: list[int | None], prompt_len: int, new_tokens: int) -> tuple[int, list[int]]:
+    """(steps after the prefill, tokens emitted per step) from the first position of each target forward.
+    A forward starting at s_i emits s_{i+1} - s_i tokens; the prefill (which may already verify prompt
+    lookup candidates) is not a step; the last step emits what is left."""
+    steps = max(0, len(starts) - 1)
+    if steps == 0 or any(s is None for s in starts):
+        return steps, []
+    accepts = [b - a for a, b in zip(starts[1:], starts[2:])]
+    emitted_by_prefill = starts[1] - prompt_len + 1
+    accepts.append(new_tokens - emitted_by_prefill - sum(accepts))
+    return (steps, accepts) if min(accepts) > 0 else (steps, [])
