@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     from selfspec.train.cli import add_parsers as add_train
 
     add_train(sub)
+    from selfspec.server.app import add_parser as add_serve
+
+    add_serve(sub)
     return p
 
 
