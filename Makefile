@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .install.stamp
 
-.PHONY: install demo test lint bench-quick clean
+.PHONY: install demo test lint bench-quick train-default clean
 
 $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
@@ -27,6 +27,12 @@ lint: install
 
 bench-quick: install
 	$(PYTHON) -m selfspec.cli bench-quick
+
+# The exact recipe of the bundled head (selfspec/assets/heads/SmolLM2-135M-Instruct): ~5 min of data
+# generation + ~12 min of training on 2 CPU cores. See docs/TRAINING.md.
+train-default: install
+	$(PYTHON) -m selfspec.cli train --threads 2 --exit-layer 4 --kind layer --epochs 6 --ce-weight 0.5 \
+		--vocab-trim 4096 --data runs/distill-data.jsonl --out selfspec/assets/heads/SmolLM2-135M-Instruct
 
 clean:
 	rm -f $(STAMP)

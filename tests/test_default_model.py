@@ -47,3 +47,26 @@ def test_default_model_greedy_equals_transformers(default_ss):
         if k == 30:  # the perfect draft accepts everything
             assert all(r == 1.0 for r in out.stats.acceptance_rate_per_position)
     assert not mismatches
+
+
+@pytest.mark.slow
+def test_default_model_lossless_with_bundled_trained_head(default_ss):
+    """The trained head shipped for the default model (selfspec/assets/heads) changes speed, never text."""
+    from selfspec.api import bundled_head_dir
+
+    ss = default_ss
+    bundled = bundled_head_dir(ss.model_id)
+    assert bundled is not None, "the default model's trained head is missing from selfspec/assets/heads"
+    for text, (gamma, policy) in zip(PROMPTS[::3], [(3, "fixed"), (5, "confidence"), (2, "fixed"), (4, "confidence")]):
+        ids = ss.encode([{"role": "user", "content": text}])
+        with torch.inference_mode():
+            ref = ss.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=64, top_k=None, top_p=None,
+                                    temperature=None, pad_token_id=ss.tokenizer.eos_token_id)[0, len(ids):].tolist()
+        if ss.eos_token_ids[0] in ref:
+            ref = ref[: ref.index(ss.eos_token_ids[0]) + 1]
+        ss.set_draft(DraftConfig(head="auto", gamma=gamma, policy=policy, threshold=0.3))
+        assert ss.head.kind != "lm" and len(ss.head.vocab_ids) > 0  # the trained, vocabulary-trimmed head
+        out = ss.generate(ids, max_new_tokens=64)
+        assert out.token_ids == ref, (text, gamma, policy)
+        assert sum(out.stats.accepted_per_position) > 0  # it drafts something the target accepts

@@ -39,7 +39,7 @@ class SweepConfig:
     data: str = opt("runs/distill-data.jsonl", "Self-distillation data JSONL (see `selfspec train`).")
     num_seqs: int = opt(40, "Sequences of the data used to measure acceptance.")
     kind: str = opt("lm", "Head measured at each layer: 'lm' (untrained exit) or 'linear' / 'kangaroo' "
-                    "(trained briefly per layer, `train_steps` steps).", choices=["lm", "linear", "kangaroo"])
+                    "(trained briefly per layer, `train_steps` steps).", choices=["lm", "linear", "kangaroo", "layer"])
     train_steps: int = opt(60, "Training steps per layer for a trained kind.")
     max_gamma: int = opt(8, "Largest gamma considered.")
     out: str = opt("runs/sweep-exit.json", "Result JSON (a PNG plot is written beside it).")

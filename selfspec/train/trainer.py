@@ -37,8 +37,8 @@ class TrainConfig:
     """Settings of ``selfspec train`` (written into the head's config and the run's report)."""
 
     exit_layer: int = opt(6, "Exit layer k: the head reads the hidden state after target layers [0, k).")
-    kind: str = opt("kangaroo", "Head kind: 'kangaroo' (attention adapter) or 'linear' (light residual map).",
-                    choices=["kangaroo", "linear"])
+    kind: str = opt("kangaroo", "Head kind: 'kangaroo' (attention adapter), 'linear' (light residual map) or "
+                    "'layer' (a trainable copy of target layer k).", choices=["kangaroo", "linear", "layer"])
     rank: int = opt(64, "Rank of the 'linear' head's residual map (0: a full hidden x hidden matrix).")
     out: str = opt("runs/head", "Output directory of the trained head (safetensors + head_config.json).")
     data: str = opt("", "Self-distillation data JSONL (default: <out>-data.jsonl beside the head, generated when missing or short).")

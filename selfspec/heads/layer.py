@@ -1,0 +1,65 @@
+"""A one-decoder-layer exit head: a trainable copy of the target's own decoder layer k (attention +
+MLP, the architecture's own module) and a final RMSNorm, in front of the frozen LM head:
+
+    x = DecoderLayer_copy(h_k)          # starts as the target's layer k: the draft sees layer k + 1
+    logits = LMHead(RMSNorm_out(x))     # RMSNorm_out starts as the target's final norm
+
+More capacity than Kangaroo's attention-only adapter (which was designed for 7B-scale targets whose
+shallow states are already rich) at the cost of one layer per draft token. Stateful: the copied
+attention keeps its own one-layer KV cache per sequence, rolled back with the target's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from selfspec.heads.base import ExitHead
+from selfspec.heads.kangaroo import RMSNorm
+from selfspec.models.cache import KVCache
+from selfspec.models.split import SplitModel, causal_mask
+
+
+class DecoderLayerHead(ExitHead):
+    kind = "layer"
+    stateful = True
+
+    def __init__(self, split: SplitModel, exit_layer: int) -> None:
+        super().__init__(split, exit_layer)
+        src = split.layers[min(exit_layer, split.num_layers - 1)]
+        self.block = copy.deepcopy(src)
+        self.block.self_attn.layer_idx = 0  # its own one-layer cache
+        self.norm_out = RMSNorm(split.hidden_size, getattr(split.config, "rms_norm_eps", 1e-6))
+        self._kind = split.layer_types[min(exit_layer, split.num_layers - 1)]
+        self.to(device=split.device, dtype=split.dtype)
+
+    def init_from_target(self) -> None:
+        with torch.no_grad():
+            self.norm_out.weight.copy_(self.split.norm.weight)
+
+    def new_state(self, capacity: int) -> KVCache:
+        return KVCache(1, self.split.num_kv_heads, self.split.head_dim, capacity, self.split.dtype, self.split.device)
+
+    def rollback(self, state: KVCache, length: int) -> None:
+        state.truncate(length)
+
+    def seen(self, state: KVCache) -> int:
+        return state.lengths[0]
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None) -> torch.Tensor:
+        split = self.split
+        rot = split.rotary_emb(h, positions, self._kind) if split._rotary_by_type else split.rotary_emb(h, positions)
+        n = h.shape[1]
+        if state is not None:
+            mask = causal_mask(n, state.lengths[0] + n, split.windows[min(self.exit_layer, split.num_layers - 1)],
+                               h.device)
+        else:  # training over whole sequences: a plain causal mask (None lets SDPA use is_causal)
+            mask = None if n == 1 else causal_mask(n, n, None, h.device)
+        x = self.block(h, attention_mask=mask, position_ids=positions, past_key_values=state,
+                       position_embeddings=rot)
+        return self.lm_logits(self.norm_out(x))
+
+    def args(self) -> dict[str, Any]:
+        return {}
