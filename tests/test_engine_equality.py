@@ -74,7 +74,7 @@ def test_eos_inside_accepted_drafts(arch):
     want = hf_greedy(model, prompt, NEW, eos=[eos])
     assert want[-1] == eos and len(want) <= 10
     for k in (2, LAYERS):  # LAYERS: the perfect draft, so EOS sits inside an accepted block
-        ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=6))
+        ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=6, policy="fixed"))
         out = ss.generate(prompt, max_new_tokens=NEW, eos_token_ids=[eos])
         assert out.token_ids == want
         assert out.finish_reason == "stop"
@@ -98,11 +98,11 @@ def test_perfect_and_random_heads_bound_acceptance():
     from selfspec.heads.io import new_head
 
     model = tiny_model("qwen2")
-    ss = SelfSpec(model, None, DraftConfig(exit_layer=LAYERS, head="lm", gamma=4))
+    ss = SelfSpec(model, None, DraftConfig(exit_layer=LAYERS, head="lm", gamma=4, policy="fixed"))
     prompt = prompt_of(8, 2)
     out = ss.generate(prompt, max_new_tokens=40)
     assert out.stats.acceptance_rate_per_position == [1.0] * 4  # exit at L: the draft is the target
-    ss.set_draft(DraftConfig(exit_layer=2, head="lm", gamma=4))
+    ss.set_draft(DraftConfig(exit_layer=2, head="lm", gamma=4, policy="fixed"))
     torch.manual_seed(0)
     head = new_head("kangaroo", ss.split, 2)  # random, untrained weights
     with torch.no_grad():

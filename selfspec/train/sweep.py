@@ -161,6 +161,30 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
+def plot_acceptance(results: dict[str, dict[str, Any]], path: str | Path, points: dict[str, tuple] | None = None) -> None:
+    """Acceptance by exit layer for several sweeps (e.g. untrained vs trained heads) on one PNG;
+    ``points``: extra labelled (exit_layer, acceptance) markers, such as a fully trained head."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, res in results.items():
+        rows = res["rows"]
+        ax.plot([r["exit_layer"] for r in rows], [r["acceptance"] for r in rows], "o-", label=name)
+    for name, (k, a) in (points or {}).items():
+        ax.plot([k], [a], "*", markersize=14, label=name)
+    ax.set_xlabel("exit layer k")
+    ax.set_ylabel("top-1 agreement with the target (held-out)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from selfspec.api import SelfSpec
     from selfspec.cli import config_from_args
