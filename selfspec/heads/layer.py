@@ -12,7 +12,6 @@ attention keeps its own one-layer KV cache per sequence, rolled back with the ta
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 
@@ -60,6 +59,3 @@ class DecoderLayerHead(ExitHead):
         x = self.block(h, attention_mask=mask, position_ids=positions, past_key_values=state,
                        position_embeddings=rot)
         return self.lm_logits(self.norm_out(x))
-
-    def args(self) -> dict[str, Any]:
-        return {}
