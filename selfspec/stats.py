@@ -40,6 +40,21 @@ class GenerationStats:
             if i < accepted:
                 self.accepted_per_position[i] += 1
 
+    def merge(self, other: GenerationStats) -> None:
+        """Pool ``other`` into these stats (several generations reported as one)."""
+        self.prompt_tokens += other.prompt_tokens
+        self.new_tokens += other.new_tokens
+        self.steps += other.steps
+        self.accept_lengths += other.accept_lengths
+        grow = len(other.proposed_per_position) - len(self.proposed_per_position)
+        self.proposed_per_position += [0] * max(0, grow)
+        self.accepted_per_position += [0] * max(0, grow)
+        for i, (p, a) in enumerate(zip(other.proposed_per_position, other.accepted_per_position)):
+            self.proposed_per_position[i] += p
+            self.accepted_per_position[i] += a
+        self.prefill_time += other.prefill_time
+        self.wall_time += other.wall_time
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from selfspec.errors import HeadMismatchError
+from selfspec.models.cache import KVCache
 from selfspec.models.split import SplitModel
 
 
@@ -106,6 +107,23 @@ class ExitHead(nn.Module):
         state: Any = None,
     ) -> torch.Tensor:  # [batch, n, vocab] float32 logits
         raise NotImplementedError
+
+
+class CachedHead(ExitHead):
+    """A head with its own one-layer KV cache per sequence (an attention block over the exit states),
+    rolled back with the target's cache after a rejection."""
+
+    stateful = True
+
+    def new_state(self, capacity: int) -> KVCache:
+        s = self.split
+        return KVCache(1, s.num_kv_heads, s.head_dim, capacity, s.dtype, s.device)
+
+    def rollback(self, state: KVCache, length: int) -> None:
+        state.truncate(length)
+
+    def seen(self, state: KVCache) -> int:
+        return state.lengths[0]
 
 
 class LMExitHead(ExitHead):

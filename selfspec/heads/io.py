@@ -30,7 +30,7 @@ def check_exit_layer(exit_layer: int, split: SplitModel) -> None:
 
 
 def new_head(kind: str, split: SplitModel, exit_layer: int, **args: Any) -> ExitHead:
-    """A fresh head of ``kind`` ('lm', 'kangaroo', 'linear'); ``args`` are the kind's own settings."""
+    """A fresh head of ``kind`` ('lm' or one of HEAD_KINDS); ``args`` are the kind's own settings."""
     check_exit_layer(exit_layer, split)
     if kind == "lm":
         return LMExitHead(split, exit_layer)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfspec.heads.base import ExitHead
+from selfspec.heads.base import CachedHead
 from selfspec.models.cache import KVCache
 from selfspec.models.split import SplitModel, causal_mask
 
@@ -44,9 +44,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((xr * cos + rotated * sin, xp), dim=-1)
 
 
-class KangarooAdapter(ExitHead):
+class KangarooAdapter(CachedHead):
     kind = "kangaroo"
-    stateful = True
 
     def __init__(self, split: SplitModel, exit_layer: int) -> None:
         super().__init__(split, exit_layer)
@@ -75,15 +74,6 @@ class KangarooAdapter(ExitHead):
                     getattr(self, name).weight.copy_(src.weight)
             self.o_proj.weight.mul_(0.0)  # residual starts as the identity: logits == untrained exit
             self.norm_out.weight.copy_(self.split.norm.weight)
-
-    def new_state(self, capacity: int) -> KVCache:
-        return KVCache(1, self.num_kv_heads, self.head_dim, capacity, self.split.dtype, self.split.device)
-
-    def rollback(self, state: KVCache, length: int) -> None:
-        state.truncate(length)
-
-    def seen(self, state: KVCache) -> int:
-        return state.lengths[0]
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None) -> torch.Tensor:
         b, n, _ = h.shape

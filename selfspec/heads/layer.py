@@ -15,45 +15,34 @@ import copy
 
 import torch
 
-from selfspec.heads.base import ExitHead
+from selfspec.heads.base import CachedHead
 from selfspec.heads.kangaroo import RMSNorm
 from selfspec.models.cache import KVCache
 from selfspec.models.split import SplitModel, causal_mask
 
 
-class DecoderLayerHead(ExitHead):
+class DecoderLayerHead(CachedHead):
     kind = "layer"
-    stateful = True
 
     def __init__(self, split: SplitModel, exit_layer: int) -> None:
         super().__init__(split, exit_layer)
-        src = split.layers[min(exit_layer, split.num_layers - 1)]
-        self.block = copy.deepcopy(src)
+        src = min(exit_layer, split.num_layers - 1)  # the target layer copied (k, or the last at k = L)
+        self.block = copy.deepcopy(split.layers[src])
         self.block.self_attn.layer_idx = 0  # its own one-layer cache
         self.norm_out = RMSNorm(split.hidden_size, getattr(split.config, "rms_norm_eps", 1e-6))
-        self._kind = split.layer_types[min(exit_layer, split.num_layers - 1)]
+        self._kind, self._window = split.layer_types[src], split.windows[src]
         self.to(device=split.device, dtype=split.dtype)
 
     def init_from_target(self) -> None:
         with torch.no_grad():
             self.norm_out.weight.copy_(self.split.norm.weight)
 
-    def new_state(self, capacity: int) -> KVCache:
-        return KVCache(1, self.split.num_kv_heads, self.split.head_dim, capacity, self.split.dtype, self.split.device)
-
-    def rollback(self, state: KVCache, length: int) -> None:
-        state.truncate(length)
-
-    def seen(self, state: KVCache) -> int:
-        return state.lengths[0]
-
     def forward(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None) -> torch.Tensor:
         split = self.split
         rot = split.rotary_emb(h, positions, self._kind) if split._rotary_by_type else split.rotary_emb(h, positions)
         n = h.shape[1]
         if state is not None:
-            mask = causal_mask(n, state.lengths[0] + n, split.windows[min(self.exit_layer, split.num_layers - 1)],
-                               h.device)
+            mask = causal_mask(n, state.lengths[0] + n, self._window, h.device)
         else:  # training over whole sequences: a plain causal mask (None lets SDPA use is_causal)
             mask = None if n == 1 else causal_mask(n, n, None, h.device)
         x = self.block(h, attention_mask=mask, position_ids=positions, past_key_values=state,

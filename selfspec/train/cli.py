@@ -40,17 +40,7 @@ def eval_draft(ss: Any, prompts: list[Any], max_new_tokens: int) -> dict[str, An
     total = GenerationStats()
     for p in tqdm(prompts, desc="eval-draft", unit="prompt"):
         ids = ss.encode([{"role": "user", "content": p}] if isinstance(p, str) else p)
-        s = ss.generate(ids, max_new_tokens=max_new_tokens).stats
-        total.steps += s.steps
-        total.new_tokens += s.new_tokens
-        total.wall_time += s.wall_time
-        total.accept_lengths += s.accept_lengths
-        for i, (pr, ac) in enumerate(zip(s.proposed_per_position, s.accepted_per_position)):
-            if i >= len(total.proposed_per_position):
-                total.proposed_per_position.append(0)
-                total.accepted_per_position.append(0)
-            total.proposed_per_position[i] += pr
-            total.accepted_per_position[i] += ac
+        total.merge(ss.generate(ids, max_new_tokens=max_new_tokens).stats)
     drafted = sum(total.proposed_per_position)
     return {
         "draft": asdict(ss.draft_config), "head_kind": ss.head.kind, "prompts": len(prompts),

@@ -166,7 +166,7 @@ def train_head(split: SplitModel, seqs: list[dict[str, list[int]]], cfg: TrainCo
     train_f, held_f = [feats[i] for i in train_idx], [feats[i] for i in held_idx]
     steps_per_epoch = math.ceil(len(train_f) / cfg.batch_size)
     total = steps_per_epoch * cfg.epochs if cfg.max_steps <= 0 else min(cfg.max_steps, steps_per_epoch * cfg.epochs)
-    params = [p for n, p in head.named_parameters()]
+    params = list(head.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     before = evaluate(head, held_f, cfg) if held_f else {}
     step, history = 0, []
