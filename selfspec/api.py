@@ -19,7 +19,7 @@ from selfspec.config import DraftConfig, GenerateConfig, ModelConfig
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import make_policy
 from selfspec.engine import Engine
-from selfspec.errors import EmptyPromptError, InvalidConfigError
+from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplateError
 from selfspec.heads.base import ExitHead
 from selfspec.heads.io import load_head, new_head, read_head_config
 from selfspec.models.split import SplitModel
@@ -99,8 +99,14 @@ class SelfSpec:
             ids.add(self.tokenizer.eos_token_id)
         return sorted(ids)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer has a chat template, i.e. chat messages can be encoded."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode(self, prompt: Prompt) -> list[int]:
-        """Text -> ids; chat messages -> ids through the chat template; ids pass through."""
+        """Text -> ids; chat messages -> ids through the chat template; ids pass through.
+        Chat messages to a model without a chat template raise NoChatTemplateError."""
         if isinstance(prompt, str):
             if not prompt:
                 raise EmptyPromptError("the prompt is empty")
@@ -109,6 +115,11 @@ class SelfSpec:
             for i, m in enumerate(prompt):
                 if "role" not in m or "content" not in m:
                     raise InvalidConfigError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
+            if not self.has_chat_template:
+                raise NoChatTemplateError(
+                    f"the model '{self.model_id}' has no chat template (its tokenizer defines none, as base "
+                    "models do), so chat messages cannot be encoded: send plain text instead"
+                )
             out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
             return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):

@@ -55,9 +55,10 @@ def config_from_args(args: argparse.Namespace, cls: type, **extra: Any) -> Any:
     return cls(**kw)
 
 
-def _read_prompt(args: argparse.Namespace) -> Any:
+def _read_prompt(args: argparse.Namespace, chat: bool) -> Any:
+    """The prompt argument (or stdin), as one user chat message if ``chat`` else as plain text."""
     text = args.prompt if args.prompt not in (None, "-") else sys.stdin.read()
-    if args.chat:
+    if chat:
         return [{"role": "user", "content": text}]
     return text
 
@@ -67,8 +68,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     ss = SelfSpec.load(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig))
     gen = config_from_args(args, GenerateConfig)
+    chat = args.chat and ss.has_chat_template
+    if args.chat and not chat:
+        print(f"selfspec: note: '{ss.model_id}' has no chat template, sending the prompt as plain text",
+              file=sys.stderr)
     result = None
-    for ev in ss.stream(_read_prompt(args), gen):
+    for ev in ss.stream(_read_prompt(args, chat), gen):
         sys.stdout.write(ev.text)
         sys.stdout.flush()
         result = ev.result
@@ -87,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="Generate text (streams to stdout, stats to stderr).")
     g.add_argument("prompt", nargs="?", default=None, help="The prompt; '-' or nothing reads stdin.")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="Wrap the prompt as a user message in the model's chat template.")
+                   help="Wrap the prompt as a user message in the model's chat template "
+                        "(plain text if the model has none).")
     g.add_argument("--quiet", action="store_true", help="Do not print stats.")
     add_config_args(g, ModelConfig)
     add_config_args(g, DraftConfig)

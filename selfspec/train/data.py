@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from selfspec.errors import InvalidConfigError, ModelNotFoundError
+from selfspec.progress import progress
 from selfspec.train.prompts import default_prompts
 
 
@@ -84,7 +84,7 @@ def generate_data(
     encoded = [ss.encode([{"role": "user", "content": p}] if chat and isinstance(p, str) else p) for p in todo]
     pad = ss.tokenizer.pad_token_id if ss.tokenizer.pad_token_id is not None else ss.eos_token_ids[0]
     eos = set(ss.eos_token_ids)
-    bar = tqdm(total=len(prompts), initial=len(done), desc="self-distillation data", unit="prompt")
+    bar = progress(total=len(prompts), initial=len(done), desc="self-distillation data", unit="prompt")
     with open(out, "a") as f, torch.inference_mode():
         for b in range(0, len(encoded), batch_size):
             batch = encoded[b : b + batch_size]

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from selfspec.config import ModelConfig, opt
 from selfspec.models.split import SplitModel
+from selfspec.progress import progress
 from selfspec.train.trainer import Features, TrainConfig, evaluate, train_head
 
 
@@ -97,7 +97,7 @@ def estimate(a: float, k: int, L: int, costs: dict[str, list[float]], max_gamma:
 def multi_layer_features(split: SplitModel, seqs: list[dict], layers: list[int]) -> dict[int, list[Features]]:
     """Exit states at every layer in ``layers`` from one forward per sequence."""
     out: dict[int, list[Features]] = {k: [] for k in layers}
-    for s in tqdm(seqs, desc="target features (all layers)", unit="seq", leave=False):
+    for s in progress(seqs, desc="target features (all layers)", unit="seq", inner=True):
         ids = s["prompt_ids"] + s["output_ids"]
         t = torch.tensor([ids], device=split.device)
         cache = split.new_cache(len(ids))
@@ -120,7 +120,7 @@ def sweep(split: SplitModel, seqs: list[dict], cfg: SweepConfig) -> dict[str, An
     costs = measure_costs(split, cfg.max_gamma + 1)
     feats = multi_layer_features(split, seqs, cfg.layers)
     rows = []
-    for k in tqdm(cfg.layers, desc="sweep exit layers", unit="layer"):
+    for k in progress(cfg.layers, desc="sweep exit layers", unit="layer"):
         tcfg = TrainConfig(exit_layer=k, kind=cfg.kind if cfg.kind != "lm" else "linear", batch_size=4,
                            max_steps=cfg.train_steps, epochs=100, heldout=0.25, resume=False,
                            out=str(Path(cfg.out).with_suffix("")) + f"-k{k}")
@@ -129,7 +129,7 @@ def sweep(split: SplitModel, seqs: list[dict], cfg: SweepConfig) -> dict[str, An
         else:
             from selfspec.train.trainer import split_heldout
 
-            head, _ = train_head(split, seqs, tcfg, features=feats[k])
+            head, _ = train_head(split, seqs, tcfg, features=feats[k], inner=True)
             held = [feats[k][i] for i in split_heldout(len(seqs), tcfg.heldout, tcfg.seed)[1]]
         m = evaluate(head, held, tcfg)
         rows.append({"exit_layer": k, "acceptance": m["top1_agreement"], "kl": m["kl"],

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from selfspec.config import opt
 from selfspec.heads.base import ExitHead
 from selfspec.heads.io import new_head, save_head
 from selfspec.models.split import SplitModel
+from selfspec.progress import progress
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Features:
 @torch.inference_mode()
 def compute_features(split: SplitModel, seqs: list[dict[str, list[int]]], exit_layer: int) -> list[Features]:
     out = []
-    for s in tqdm(seqs, desc=f"target features (exit layer {exit_layer})", unit="seq", leave=False):
+    for s in progress(seqs, desc=f"target features (exit layer {exit_layer})", unit="seq", inner=True):
         ids = s["prompt_ids"] + s["output_ids"]
         t = torch.tensor([ids], device=split.device)
         cache = split.new_cache(len(ids))
@@ -150,9 +150,10 @@ def _save_checkpoint(path: Path, head: ExitHead, opt: torch.optim.Optimizer, ste
 
 def train_head(split: SplitModel, seqs: list[dict[str, list[int]]], cfg: TrainConfig,
                interrupt_at: int | None = None, features: list[Features] | None = None,
-               ) -> tuple[ExitHead, dict[str, Any]]:
+               inner: bool = False) -> tuple[ExitHead, dict[str, Any]]:
     """Train a head on ``seqs``; returns it and a report (held-out metrics before and after).
     ``features``: precomputed ``compute_features(split, seqs, cfg.exit_layer)``.
+    ``inner``: this training is one step of a larger task (its progress bar is cleared when done).
     ``interrupt_at`` stops after that step as a crash would (tests of resume)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -176,7 +177,8 @@ def train_head(split: SplitModel, seqs: list[dict[str, list[int]]], cfg: TrainCo
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, history = state["step"], state["history"]
-    bar = tqdm(total=total, initial=step, desc=f"train {cfg.kind} head @ layer {cfg.exit_layer}", unit="step")
+    bar = progress(total=total, initial=step, desc=f"train {cfg.kind} head @ layer {cfg.exit_layer}", unit="step",
+                   inner=inner)
     t0, seen = time.perf_counter(), 0
     while step < total:
         epoch, within = divmod(step, steps_per_epoch)
