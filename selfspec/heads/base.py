@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from selfspec.errors import HeadMismatchError
+from selfspec.kernels.linear import PackedLinear
 from selfspec.models.cache import KVCache
 from selfspec.models.split import SplitModel
 
@@ -65,7 +66,7 @@ class ExitHead(nn.Module):
         object.__setattr__(self, "split", split)
         self.exit_layer = exit_layer
         self.register_buffer("vocab_ids", torch.empty(0, dtype=torch.long))  # [n] kept ids; empty = all
-        self._trim_weight: torch.Tensor | None = None  # [n, hidden] rows of the frozen LM head
+        self._trim_lm: PackedLinear | None = None  # the kept rows of the frozen LM head, packed
 
     def args(self) -> dict[str, Any]:
         """Constructor arguments beyond (split, exit_layer), written into head_config.json."""
@@ -77,15 +78,16 @@ class ExitHead(nn.Module):
             self.vocab_ids = torch.empty(0, dtype=torch.long, device=self.split.device)
         else:
             self.vocab_ids = torch.as_tensor(ids, dtype=torch.long, device=self.split.device).unique()
-        self._trim_weight = None
+        self._trim_lm = None
 
     def lm_logits(self, x_normed: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] float32
         """The frozen LM head on normed states (over the trimmed vocabulary when one is set)."""
         if len(self.vocab_ids) == 0:
             return self.split.head_logits(x_normed)
-        if self._trim_weight is None or self._trim_weight.device != x_normed.device:
-            self._trim_weight = self.split.lm_head.weight[self.vocab_ids].detach().contiguous()
-        part = torch.nn.functional.linear(x_normed, self._trim_weight)
+        if self._trim_lm is None or self._trim_lm.device != x_normed.device:
+            rows = self.split.lm_head.weight[self.vocab_ids].detach().contiguous()
+            self._trim_lm = PackedLinear([(rows, None)])
+        part = self._trim_lm(x_normed)
         if self.split.softcap is not None:
             part = torch.tanh(part / self.split.softcap) * self.split.softcap
         out = part.new_full((*part.shape[:-1], self.split.vocab_size), float("-inf"), dtype=torch.float32)
@@ -132,4 +134,4 @@ class LMExitHead(ExitHead):
     kind = "lm"
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, state: Any = None) -> torch.Tensor:
-        return self.lm_logits(self.split.norm(h))
+        return self.lm_logits(self.split.final_norm(h))

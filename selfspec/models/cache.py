@@ -62,6 +62,15 @@ class KVCache:
         self.lengths[i] = end
         return self.keys[i][:, :, :end], self.values[i][:, :, :end]
 
+    def reserve(self, layer_idx: int, n: int) -> int:
+        """Make room for ``n`` new entries of one layer and advance its length; returns the old length
+        (the fast layers write keys[layer][:, :, old:old + n] themselves)."""
+        start = self.lengths[layer_idx]
+        if start + n > self.keys[layer_idx].shape[2]:
+            self._grow(layer_idx, start + n)
+        self.lengths[layer_idx] = start + n
+        return start
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]
 

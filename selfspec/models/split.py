@@ -9,8 +9,11 @@
     h_L = split.run_layers(h_k, k, L, positions, cache)  # deep: verify
     logits = split.logits(h_L)                        # final norm + LM head
 
-The decoder layers are transformers' own modules, called directly: no config is mutated and
-no weights are copied. Masks are built here (causal, with a sliding window where the
+Two backends run the same ladder. ``fast`` (the default) runs ``selfspec.models.fast.FastLayer``s:
+the same math over packed, fused weights with the kernel chosen per device and dtype
+(``selfspec.kernels``). ``reference`` calls transformers' own decoder modules directly (no config
+is mutated, no weights are copied): the yardstick the tests compare the fast path with. Masks are
+built here (causal, with a sliding window where the
 architecture has one) from each layer's own cache length, since in a split forward the shallow
 layers already hold tokens the deep layers have not seen yet.
 """
@@ -20,8 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from selfspec.errors import UnsupportedArchitectureError
+from selfspec.errors import InvalidConfigError, UnsupportedArchitectureError
+from selfspec.kernels.linear import kernel_name, pack_linear
 from selfspec.models.cache import KVCache
+from selfspec.models.fast import FastLayer, Norm, Rotary
+
+BACKENDS = ("fast", "reference")
 
 # model_type -> human name. The layer-split forward relies on the Llama-style layout
 # (model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head).
@@ -46,9 +53,11 @@ def check_supported(model_type: str) -> None:
 class SplitModel:
     """The target model seen as embed -> layers[i:j] -> final norm -> LM head."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, backend: str = "fast") -> None:
         cfg = model.config
         check_supported(cfg.model_type)
+        if backend not in BACKENDS:
+            raise InvalidConfigError(f"unknown backend '{backend}' (known: {', '.join(BACKENDS)})")
         self.model = model
         self.config = cfg
         inner = model.model
@@ -73,6 +82,13 @@ class SplitModel:
         self.context_length: int = getattr(cfg, "max_position_embeddings", None) or 2048
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
+        self.backend = backend
+        self.kernel = kernel_name(self.device, self.dtype) if backend == "fast" else "transformers-modules"
+        self.fast_layers: list[FastLayer] = []
+        if backend == "fast":
+            self.fast_layers = [FastLayer(layer, i) for i, layer in enumerate(self.layers)]
+            self._fast_norm = Norm(self.norm)
+            self._fast_lm_head = pack_linear(self.lm_head)
 
     # ---- the ladder -------------------------------------------------------------------
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
@@ -95,13 +111,22 @@ class SplitModel:
         n = h.shape[1]
         rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
+        if self.fast_layers:
+            h = h.clone()  # the fast layers update the residual stream in place; the caller keeps its h
+            tables: dict[str, Rotary] = {}
         for i in range(start, end):
             kind = self.layer_types[i]
             if kind not in rotary:
                 rotary[kind] = self.rotary_emb(h, positions, kind) if self._rotary_by_type else self.rotary_emb(h, positions)
+                if self.fast_layers:
+                    tables[kind] = Rotary(*rotary[kind])
             key = (cache.lengths[i] + n, self.windows[i])
             if key not in masks:
                 masks[key] = causal_mask(n, key[0], key[1], h.device)
+            if self.fast_layers:
+                start_i = cache.reserve(i, n)
+                self.fast_layers[i].forward(h, tables[kind], masks[key], cache.keys[i], cache.values[i], start_i)
+                continue
             h = self.layers[i](
                 h,
                 attention_mask=masks[key],
@@ -112,16 +137,16 @@ class SplitModel:
         return h
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return self.norm(h)
+        return self._fast_norm(h) if self.fast_layers else self.norm(h)
 
     def head_logits(self, h_normed: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] float32
-        logits = self.lm_head(h_normed)
+        logits = self._fast_lm_head(h_normed) if self.fast_layers else self.lm_head(h_normed)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # last-layer states -> logits
-        return self.head_logits(self.norm(h))
+        return self.head_logits(self.final_norm(h))
 
     def forward_all(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Plain full forward of new tokens (all layers), returning the final hidden states."""

@@ -1,0 +1,160 @@
+"""Linear layers packed once for decoding, with the kernel chosen per device and dtype.
+
+A decoding step multiplies a few rows (1 token, a verification block, a draft) by every weight of
+the model, so its cost is reading the weights: memory bandwidth. Measured on this project's CPUs
+(docs/BENCHMARKS.md), torch's default ``F.linear`` reaches about a third of the read bandwidth at one
+row and oneDNN about half; selfspec's own kernel (``gemv.cpp``) streams a packed copy of each weight
+and reaches it. Paths, by device and dtype:
+
+    cpu float32, rows <= 16   selfspec-gemv: gemv.cpp, compiled once on first use (-O3 -march=native)
+                              into the cache directory; weights packed [N/8, K/8, 8, 8]
+    cpu float32, rows > 16    torch F.linear on the original weights (MKL sgemm: prefill is compute-bound)
+    cpu bfloat16              oneDNN with the weight reordered once (``torch.ops.mkldnn``) on CPUs with
+                              native bf16 support (AVX-512 BF16 / AMX / AVX-NE-CONVERT), else F.linear
+    cuda / other              F.linear (cuBLAS is left alone)
+
+When the kernel cannot be built (no C++ compiler), float32 falls back to oneDNN, then to F.linear,
+with one warning; ``SELFSPEC_KERNEL=torch`` forces plain F.linear everywhere (a reference for tests).
+
+Several weights sharing an input (q, k, v; gate, up) are packed as one (fused projections): one
+kernel call instead of three, and the output is their concatenation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MAX_GEMV_ROWS = 16  # the custom kernel's row limit (a decoding step, a verification block)
+_SOURCE = Path(__file__).with_name("gemv.cpp")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@lru_cache(maxsize=1)
+def gemv_extension() -> Any | None:
+    """The compiled kernel module, built once per source / torch / CPU into the cache (about a minute), or None."""
+    if os.environ.get("SELFSPEC_KERNEL", "") in ("torch", "onednn"):
+        return None
+    from torch.utils import cpp_extension
+
+    from selfspec.models.loading import cache_root
+
+    src = _SOURCE.read_bytes()
+    tag = hashlib.sha256(src + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:12]
+    build = cache_root() / "kernels" / f"gemv-{tag}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=f"selfspec_gemv_{tag}", sources=[str(_SOURCE)], build_directory=str(build),
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, an unusual platform: fall back, loudly once
+        warnings.warn(f"selfspec: could not build the CPU decoding kernel ({e}); using oneDNN / F.linear",
+                      stacklevel=2)
+        return None
+
+
+def _onednn_ok(dtype: torch.dtype) -> bool:
+    return (
+        os.environ.get("SELFSPEC_KERNEL", "") != "torch"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    )
+
+
+def kernel_name(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The kernel path a (device, dtype) gets, as named in every benchmark figure."""
+    if torch.device(device).type != "cpu":
+        return "torch-F.linear"
+    if dtype == torch.float32 and gemv_extension() is not None:
+        return "selfspec-gemv+mkl"
+    if _onednn_ok(dtype):
+        return "onednn"
+    return "torch-F.linear"
+
+
+class PackedLinear:
+    """``y = x @ cat(W_i)^T + cat(b_i)`` for weights ``W_i [N_i, K]`` sharing the input ``x [..., K]``.
+
+    ``out`` given and ``accumulate=True`` adds into it in place (the residual stream)."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        ws = [w.detach() for w, _ in parts]
+        self.parts = parts  # the originals, for many rows (prefill) and the reference
+        self.out_features = sum(w.shape[0] for w in ws)
+        self.in_features = ws[0].shape[1]
+        w0 = ws[0]
+        self.device, self.dtype = w0.device, w0.dtype
+        biases = [b.detach() if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+                  for w, b in parts]
+        self.bias = torch.cat(biases) if any(b is not None for _, b in parts) else None
+        self.path = kernel_name(self.device, self.dtype)
+        self._packed: torch.Tensor | None = None
+        self._onednn: torch.Tensor | None = None
+        if self.path == "selfspec-gemv+mkl" and self.in_features % 8 == 0:
+            w = torch.cat(ws) if len(ws) > 1 else w0
+            n_pad = -w.shape[0] % 8
+            if n_pad:
+                w = torch.cat([w, w.new_zeros(n_pad, w.shape[1])])
+            n, k = w.shape
+            self._packed = w.reshape(n // 8, 8, k // 8, 8).permute(0, 2, 1, 3).contiguous()
+            self._bias_arg = self.bias if self.bias is not None else w.new_empty(0)
+        elif self.path in ("onednn", "selfspec-gemv+mkl"):
+            self.path = "onednn"
+            w = torch.cat(ws) if len(ws) > 1 else w0
+            self._onednn = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+        else:
+            self.path = "torch-F.linear"
+        self._fused: torch.Tensor | None = None  # F.linear fallback for fused parts, made on demand
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            w, b = self.parts[0]
+            return F.linear(x, w, b)
+        return torch.cat([F.linear(x, w, b) for w, b in self.parts], dim=-1)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.numel() // self.in_features
+        no_grad = not (x.requires_grad and torch.is_grad_enabled())  # the kernels have no backward
+        if self._packed is not None and rows <= MAX_GEMV_ROWS and x.dtype == torch.float32 and no_grad:
+            x2 = x.reshape(rows, self.in_features).contiguous()
+            if out is None:
+                y = x2.new_empty(rows, self.out_features)
+                accumulate = False
+            else:
+                y = out.view(rows, self.out_features)
+            gemv_extension().linear(x2, self._packed, self._bias_arg, y, accumulate)
+            return y.view(*lead, self.out_features) if out is None else out
+        if self._onednn is not None and no_grad:
+            y = torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
+        else:
+            y = self._torch(x)
+        if out is None:
+            return y
+        if accumulate:
+            return out.add_(y)
+        return out.copy_(y)
+
+
+def pack_linear(*modules: Any) -> PackedLinear:
+    """Pack ``nn.Linear`` modules that share an input into one PackedLinear (their outputs concatenated)."""
+    return PackedLinear([(m.weight, m.bias) for m in modules])

@@ -1,0 +1,132 @@
+"""The fast forward: decoder layers re-expressed over packed, fused weights, writing the static cache.
+
+``SplitModel(backend="fast")`` runs these instead of transformers' modules (``backend="reference"``,
+kept for tests and comparison). Same math, fewer and cheaper ops (docs/BENCHMARKS.md has the profile):
+
+- q, k, v as one packed linear and gate, up as another (fused projections); every linear through
+  the kernel chosen for the device and dtype (``selfspec.kernels``);
+- o_proj and down_proj add into the residual stream in place (no separate add);
+- rotary tables computed once per call of ``run_layers`` (not per layer); rotary for q and k in
+  three ops (``x * cos + roll(x) * sin_signed``, bit-identical to transformers' rotate_half form);
+- keys and values written straight into the static cache, attention by SDPA with grouped-query
+  heads (no repeat of the keys), masks built once per call.
+
+One ``FastLayer`` is built from each transformers decoder layer; its weights are read once (packed
+copies), the module stays untouched. Supported layouts: Llama / Mistral / Qwen2 (q/k/v bias) /
+Qwen3 (q/k norms) / Gemma 3 (q/k norms, sandwich norms, (1 + w) norms) / Phi-3 (fused qkv and
+gate_up, partial rotary).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfspec.kernels.linear import PackedLinear, pack_linear
+
+_GEMMA_NORMS = ("Gemma3RMSNorm",)
+
+
+class Norm:
+    """An RMSNorm module's weight and epsilon, applied with the module's own numerics."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.gemma = type(module).__name__ in _GEMMA_NORMS  # (1 + w), multiplied before the cast back
+        w = module.weight.detach()
+        self.weight = (1.0 + w.float()) if self.gemma else w
+        self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (y * self.weight).type_as(x)
+        return self.weight * y.type_as(x)
+
+
+class Rotary:
+    """cos / sin tables of one call, laid out for ``[batch, n, heads, head_dim]`` tensors."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:  # cos, sin [batch, n, rot]
+        half = cos.shape[-1] // 2
+        self.dim = cos.shape[-1]
+        self.cos = cos.unsqueeze(2)  # [batch, n, 1, rot]
+        # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), exactly
+        self.sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [batch, n, heads, head_dim]
+        if x.shape[-1] == self.dim:
+            return x * self.cos + x.roll(self.dim // 2, dims=-1) * self.sin
+        rot, rest = x[..., : self.dim], x[..., self.dim :]  # partial rotary (Phi-3 variants)
+        return torch.cat([rot * self.cos + rot.roll(self.dim // 2, dims=-1) * self.sin, rest], dim=-1)
+
+
+class FastLayer:
+    """One decoder layer over packed weights; ``forward`` updates ``h`` in place and returns it."""
+
+    def __init__(self, layer: nn.Module, index: int) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.index = index
+        if getattr(attn, "attn_logit_softcapping", None):
+            raise NotImplementedError("attention logit soft-capping (use backend='reference')")
+        self.qkv: PackedLinear = (
+            pack_linear(attn.qkv_proj) if hasattr(attn, "qkv_proj") else pack_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        )
+        self.o = pack_linear(attn.o_proj)
+        self.gate_up = pack_linear(mlp.gate_up_proj) if hasattr(mlp, "gate_up_proj") else pack_linear(mlp.gate_proj, mlp.up_proj)
+        self.down = pack_linear(mlp.down_proj)
+        self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+        self.input_norm = Norm(layer.input_layernorm)
+        self.post_attn_norm = Norm(layer.post_attention_layernorm)
+        self.sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma: norms around attn and MLP outputs
+        if self.sandwich:
+            self.pre_ff_norm = Norm(layer.pre_feedforward_layernorm)
+            self.post_ff_norm = Norm(layer.post_feedforward_layernorm)
+        self.q_norm = Norm(attn.q_norm) if hasattr(attn, "q_norm") else None
+        self.k_norm = Norm(attn.k_norm) if hasattr(attn, "k_norm") else None
+        cfg = attn.config
+        self.head_dim: int = attn.head_dim
+        self.num_heads: int = cfg.num_attention_heads
+        self.num_kv_heads: int = cfg.num_key_value_heads
+        self.scaling: float = attn.scaling
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [batch, n, hidden], owned by the caller's loop: updated in place
+        rotary: Rotary,
+        mask: torch.Tensor | None,  # [1, 1, n, kv_len] bool, or None (causal-free single query)
+        keys: torch.Tensor,  # [batch, kv_heads, capacity, head_dim] this layer's cache buffers
+        values: torch.Tensor,
+        start: int,  # this layer's cache length before the call
+    ) -> torch.Tensor:
+        b, n, _ = h.shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(self.input_norm(h)).view(b, n, hq + 2 * hkv, d)
+        if self.q_norm is not None:
+            q = rotary(self.q_norm(qkv[:, :, :hq]))
+            k = rotary(self.k_norm(qkv[:, :, hq : hq + hkv]))
+        else:
+            qk = rotary(qkv[:, :, : hq + hkv])
+            q, k = qk[:, :, :hq], qk[:, :, hq:]
+        end = start + n
+        keys[:, :, start:end] = k.transpose(1, 2)
+        values[:, :, start:end] = qkv[:, :, hq + hkv :].transpose(1, 2)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys[:, :, :end], values[:, :, :end], attn_mask=mask,
+            scale=self.scaling, enable_gqa=hq != hkv,
+        )  # [batch, heads, n, head_dim]
+        a = a.transpose(1, 2).reshape(b, n, hq * d)
+        if self.sandwich:
+            h += self.post_attn_norm(self.o(a))
+            x = self.pre_ff_norm(h)
+        else:
+            self.o(a, out=h, accumulate=True)
+            x = self.post_attn_norm(h)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        y = self.act(gate) * up
+        if self.sandwich:
+            h += self.post_ff_norm(self.down(y))
+        else:
+            self.down(y, out=h, accumulate=True)
+        return h

@@ -1,0 +1,65 @@
+"""The fast forward (packed fused weights, selfspec's kernels) against the reference path
+(transformers' own decoder modules): logits per architecture for every block size a decoding step
+uses (n <= 16), split at every layer, and the default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, LAYERS, VOCAB, tiny_model
+
+from selfspec.models.split import SplitModel
+
+
+def _forward(split: SplitModel, ids: torch.Tensor, blocks: list[int], cut: int) -> torch.Tensor:
+    """Prefill ids[:, :p] then decode the rest in blocks of the given sizes, shallow [0, cut) then deep
+    [cut, L) as self-speculation does; -> the logits of every decoded position [1, sum(blocks), vocab]."""
+    cache = split.new_cache(ids.shape[1])
+    p = ids.shape[1] - sum(blocks)
+    pos = torch.arange(p)[None]
+    split.run_layers(split.embed(ids[:, :p]), 0, split.num_layers, pos, cache)
+    out = []
+    for n in blocks:
+        pos = torch.arange(p, p + n)[None]
+        h = split.run_layers(split.embed(ids[:, p : p + n]), 0, cut, pos, cache)
+        h = split.run_layers(h, cut, split.num_layers, pos, cache)
+        out.append(split.logits(h))
+        p += n
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fast_logits_match_reference(arch):
+    model = tiny_model(arch)
+    fast, ref = SplitModel(model, "fast"), SplitModel(model, "reference")
+    assert fast.kernel != ref.kernel
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(2, VOCAB, (1, 60), generator=g)
+    blocks = [1, 2, 4, 8, 16, 1, 3]
+    with torch.inference_mode():
+        for cut in range(LAYERS + 1):
+            a, b = _forward(fast, ids, blocks, cut), _forward(ref, ids, blocks, cut)
+            diff = (a - b).abs().max().item()
+            rel = diff / b.abs().max().item()
+            assert diff < 1e-4 and rel < 1e-5, f"{arch} cut {cut}: max abs {diff:.2e}, rel {rel:.2e}"
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_unknown_backend_is_a_clear_error():
+    from selfspec.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match="unknown backend 'fastest'"):
+        SplitModel(tiny_model("llama"), "fastest")
+
+
+@pytest.mark.slow
+def test_fast_logits_match_reference_on_default_model(default_ss):
+    fast = default_ss.split
+    ref = SplitModel(default_ss.model, "reference")
+    ids = torch.tensor([default_ss.encode("The quick brown fox jumps over the lazy dog. " * 6)])
+    with torch.inference_mode():
+        a = _forward(fast, ids, [1, 4, 8, 16], 4)
+        b = _forward(ref, ids, [1, 4, 8, 16], 4)
+    diff = (a - b).abs().max().item()
+    assert diff < 5e-3, f"max abs logit difference {diff:.2e}"
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
