@@ -6,8 +6,8 @@ the model, so its cost is reading the weights: memory bandwidth. Measured on thi
 row and oneDNN about half; selfspec's own kernel (``gemv.cpp``) streams a packed copy of each weight
 and reaches it. Paths, by device and dtype:
 
-    cpu float32, rows <= 16   selfspec-gemv: gemv.cpp, compiled once on first use (-O3 -march=native)
-                              into the cache directory; weights packed [N/8, K/8, 8, 8]
+    cpu float32, rows <= 16   selfspec-cpu: gemv.cpp, compiled once on first use (-O3 -march=native)
+                              into the cache directory; weights packed [N/8, K, 8]
     cpu float32, rows > 16    torch F.linear on the original weights (MKL sgemm: prefill is compute-bound)
     cpu bfloat16              oneDNN with the weight reordered once (``torch.ops.mkldnn``) on CPUs with
                               native bf16 support (AVX-512 BF16 / AMX / AVX-NE-CONVERT), else F.linear
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 MAX_GEMV_ROWS = 16  # the custom kernel's row limit (a decoding step, a verification block)
-_SOURCE = Path(__file__).with_name("gemv.cpp")
+_SOURCES = [Path(__file__).with_name("gemv.cpp"), Path(__file__).with_name("ops.cpp")]
 
 
 def _cpu_flags() -> str:
@@ -48,21 +48,22 @@ def _cpu_flags() -> str:
 
 
 @lru_cache(maxsize=1)
-def gemv_extension() -> Any | None:
-    """The compiled kernel module, built once per source / torch / CPU into the cache (about a minute), or None."""
+def cpu_extension() -> Any | None:
+    """selfspec's compiled CPU kernels (gemv.cpp: linear; ops.cpp: the fused decoding ops), built once per
+    source / torch / CPU into the cache (about a minute), or None where they cannot be built."""
     if os.environ.get("SELFSPEC_KERNEL", "") in ("torch", "onednn"):
         return None
     from torch.utils import cpp_extension
 
     from selfspec.models.loading import cache_root
 
-    src = _SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SOURCES)
     tag = hashlib.sha256(src + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:12]
-    build = cache_root() / "kernels" / f"gemv-{tag}"
+    build = cache_root() / "kernels" / f"cpu-{tag}"
     build.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
-            name=f"selfspec_gemv_{tag}", sources=[str(_SOURCE)], build_directory=str(build),
+            name=f"selfspec_cpu_{tag}", sources=[str(p) for p in _SOURCES], build_directory=str(build),
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, an unusual platform: fall back, loudly once
@@ -84,8 +85,8 @@ def kernel_name(device: torch.device | str, dtype: torch.dtype) -> str:
     """The kernel path a (device, dtype) gets, as named in every benchmark figure."""
     if torch.device(device).type != "cpu":
         return "torch-F.linear"
-    if dtype == torch.float32 and gemv_extension() is not None:
-        return "selfspec-gemv+mkl"
+    if dtype == torch.float32 and cpu_extension() is not None:
+        return "selfspec-cpu"
     if _onednn_ok(dtype):
         return "onednn"
     return "torch-F.linear"
@@ -109,15 +110,15 @@ class PackedLinear:
         self.path = kernel_name(self.device, self.dtype)
         self._packed: torch.Tensor | None = None
         self._onednn: torch.Tensor | None = None
-        if self.path == "selfspec-gemv+mkl" and self.in_features % 8 == 0:
+        if self.path == "selfspec-cpu" and self.in_features % 4 == 0:
             w = torch.cat(ws) if len(ws) > 1 else w0
             n_pad = -w.shape[0] % 8
             if n_pad:
                 w = torch.cat([w, w.new_zeros(n_pad, w.shape[1])])
             n, k = w.shape
-            self._packed = w.reshape(n // 8, 8, k // 8, 8).permute(0, 2, 1, 3).contiguous()
+            self._packed = w.reshape(n // 8, 8, k).permute(0, 2, 1).contiguous()  # [N/8, K, 8]
             self._bias_arg = self.bias if self.bias is not None else w.new_empty(0)
-        elif self.path in ("onednn", "selfspec-gemv+mkl"):
+        elif self.path in ("onednn", "selfspec-cpu"):
             self.path = "onednn"
             w = torch.cat(ws) if len(ws) > 1 else w0
             self._onednn = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
@@ -142,7 +143,7 @@ class PackedLinear:
                 accumulate = False
             else:
                 y = out.view(rows, self.out_features)
-            gemv_extension().linear(x2, self._packed, self._bias_arg, y, accumulate)
+            cpu_extension().linear(x2, self._packed, self._bias_arg, y, accumulate)
             return y.view(*lead, self.out_features) if out is None else out
         if self._onednn is not None and no_grad:
             y = torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
