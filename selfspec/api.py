@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from selfspec.config import DraftConfig, GenerateConfig, ModelConfig
+from selfspec.costs import DraftCosts, measure_draft_costs
 from selfspec.drafting.early_exit import EarlyExitDrafter
-from selfspec.drafting.policies import make_policy
+from selfspec.drafting.policies import CostAwarePolicy, make_policy
 from selfspec.engine import Engine
 from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplateError
 from selfspec.heads.base import ExitHead
@@ -27,6 +28,7 @@ from selfspec.stats import GenerationStats
 from selfspec.textstream import TextStream
 
 Prompt = str | list[dict[str, str]] | list[int]
+MAX_AUTO_GAMMA = 8  # the longest draft the cost-aware choice considers
 
 
 @dataclass
@@ -53,9 +55,11 @@ def bundled_head_dir(model_id: str) -> Any:
 
 
 class SelfSpec:
-    def __init__(self, model: Any, tokenizer: Any, draft: DraftConfig | None = None, model_id: str = "model") -> None:
+    def __init__(self, model: Any, tokenizer: Any, draft: DraftConfig | None = None, model_id: str = "model",
+                 backend: str = "fast") -> None:
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
-        self.split = SplitModel(model)
+        self.split = SplitModel(model, backend)
+        self._costs: dict[tuple, DraftCosts] = {}
         self.eos_token_ids = self._model_eos_ids()
         self.draft_config = DraftConfig()
         self.engine = Engine(self.split)
@@ -68,7 +72,7 @@ class SelfSpec:
 
         mcfg = model if isinstance(model, ModelConfig) else ModelConfig(model=model, **kw)
         hf_model, tokenizer = load_model(mcfg)
-        return cls(hf_model, tokenizer, draft, model_id=model_id_of(mcfg))
+        return cls(hf_model, tokenizer, draft, model_id=model_id_of(mcfg), backend=mcfg.backend)
 
     # ---- draft setup ----------------------------------------------------------------
     def make_head(self, draft: DraftConfig) -> ExitHead:
@@ -82,12 +86,25 @@ class SelfSpec:
         return load_head(spec, self.split, draft.exit_layer)
 
     def set_draft(self, draft: DraftConfig) -> None:
-        """Switch exit layer / head / policy / gamma without reloading the model."""
+        """Switch exit layer / head / policy / gamma without reloading the model. With ``gamma=None`` the
+        draft length of each step is chosen from forward costs measured here (once per head) and the
+        acceptance observed so far (``CostAwarePolicy``)."""
         head = self.make_head(draft)
         policy = make_policy(draft.policy, draft.threshold)
-        self.engine = Engine(self.split, EarlyExitDrafter(self.split, head, policy), gamma=draft.gamma)
+        gamma = draft.gamma
+        if gamma is None:
+            policy = CostAwarePolicy(policy, self.draft_costs(head, draft))
+            gamma = MAX_AUTO_GAMMA
+        self.engine = Engine(self.split, EarlyExitDrafter(self.split, head, policy), gamma=gamma)
         self.draft_config = replace(draft, exit_layer=head.exit_layer)
         self.head = head
+
+    def draft_costs(self, head: ExitHead, draft: DraftConfig) -> DraftCosts:
+        """Forward costs of ``head``'s draft on this machine (measured once per head, ~1-2 s)."""
+        key = (head.exit_layer, draft.head, head.kind, len(head.vocab_ids))
+        if key not in self._costs:
+            self._costs[key] = measure_draft_costs(self.split, head)
+        return self._costs[key]
 
     # ---- prompts ----------------------------------------------------------------------
     def _model_eos_ids(self) -> list[int]:

@@ -100,10 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(g, GenerateConfig)
     g.set_defaults(func=cmd_generate)
 
+    from selfspec.bench.forward import add_parser as add_forward
     from selfspec.bench.quick import add_parser as add_quick
     from selfspec.bench.specbench import add_parser as add_bench
 
     add_quick(sub)
+    add_forward(sub)
     add_bench(sub)
     from selfspec.train.cli import add_parsers as add_train
 

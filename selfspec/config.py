@@ -31,6 +31,12 @@ class ModelConfig:
     dtype: str = opt("float32", "Weights and activations dtype: float32 or bfloat16.", choices=["float32", "bfloat16"])
     device: str = opt("cpu", "torch device to run on (cpu, cuda, cuda:0, ...).")
     threads: int | None = opt(None, "torch intra-op threads (None: torch's default).")
+    backend: str = opt(
+        "fast",
+        "Forward implementation: 'fast' (packed fused weights, selfspec's CPU kernels, docs/BENCHMARKS.md) "
+        "or 'reference' (transformers' own decoder modules, for comparison).",
+        choices=["fast", "reference"],
+    )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,7 +57,12 @@ class DraftConfig:
         "directory (safetensors + head_config.json), or 'auto' (the bundled trained head for the "
         "default model when one exists, else 'lm').",
     )
-    gamma: int = opt(3, "Most draft tokens proposed per verification step.")
+    gamma: int | None = opt(
+        None,
+        "Most draft tokens proposed per verification step. None: chosen per step from forward costs "
+        "measured on this machine and the acceptance observed so far (0 when drafting does not pay, "
+        "i.e. plain decoding); see selfspec/costs.py.",
+    )
     policy: str = opt(
         "confidence",
         "Drafting policy: 'fixed' (always gamma drafts) or 'confidence' (Kangaroo's second early "

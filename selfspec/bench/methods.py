@@ -9,6 +9,8 @@ Spec strings (``--methods``, repeatable or comma-separated):
     plain                               selfspec's own autoregressive path (``method="plain"``)
     selfspec-lm[-POLICY]                untrained exit (final norm + LM head) at the bench's exit layer
     selfspec-trained[-POLICY]           the trained head (``--head``, or the bundled one) at its own layer
+    selfspec-default                    DraftConfig() as a user gets it: the bundled head if any, the
+                                        confidence policy, gamma chosen from measured costs
     selfspec[:KEY=VALUE,...]            any DraftConfig: exit_layer, head (lm | trained | a head
                                         directory), gamma, policy, threshold; unset keys take the
                                         bench's defaults
@@ -186,7 +188,10 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
         return Method(name, base, spec, options={"assistant_early_exit": layer},
                       info={"exit_layer": layer, "num_layers": ss.split.num_layers})
     draft = DraftConfig(exit_layer=k, head="lm", gamma=cfg.gamma, policy="fixed", threshold=cfg.threshold)
-    if base == "selfspec":
+    if base == "selfspec-default":  # exactly what a user gets: DraftConfig()'s defaults
+        _no_more(kv, spec)
+        draft, name = DraftConfig(), alias or base
+    elif base == "selfspec":
         values = {key: _convert(key, v) for key, v in kv.items()}
         if values.get("head") == "trained":
             values["head"] = _need_trained(cfg, ss, spec)
@@ -214,7 +219,8 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
         head = "lm" if draft.head == "lm" else Path(draft.head).name
         name = f"selfspec-k{draft.exit_layer}-{head}-g{draft.gamma}-{draft.policy}"
         name += f"{draft.threshold:g}" if draft.policy != "fixed" else ""
-    info = {"exit_layer": draft.exit_layer, "num_layers": ss.split.num_layers, "head_kind": ss.head.kind}
+    info = {"exit_layer": draft.exit_layer, "num_layers": ss.split.num_layers, "head_kind": ss.head.kind,
+            "kernel": ss.split.kernel, "costs": ss.draft_costs(ss.head, draft).to_dict()}
     if draft.head != "lm":
         from selfspec.heads.io import read_head_config
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from selfspec.costs import DraftCosts
 from selfspec.errors import InvalidConfigError
 
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -151,9 +152,16 @@ def method_metrics(run: Run, method: str, qids: list[int], baseline: str | None)
         c = info["exit_layer"] / info["num_layers"]
         d = sum(drafted) / steps  # draft tokens per step
         out["drafts_per_step"] = d
-        # Leviathan et al.'s ideal, c = k/L: a step is d + 1 shallow passes (pending token + drafts) and
-        # one deep pass over d + 1 positions, counted as one token's; exit heads free
-        out["bound"] = out["mal"] / (d * c + 1)
+        if "costs" in info:  # measured on the running machine (selfspec.costs): real block costs, heads included
+            costs = info["costs"]
+            dc = DraftCosts(costs["exit_layer"], costs["t_shallow"], costs["t_head"],
+                            {int(n): t for n, t in costs["t_deep"].items()})
+            step = (d + 1) * dc.t_shallow + d * dc.t_head + dc.deep(max(1, round(d + 1)))
+            out["bound"] = out["mal"] * dc.t_plain / step
+        else:
+            # Leviathan et al.'s ideal, c = k/L: a step is d + 1 shallow passes (pending token + drafts) and
+            # one deep pass over d + 1 positions, counted as one token's; exit heads free
+            out["bound"] = out["mal"] / (d * c + 1)
     return out
 
 

@@ -86,7 +86,7 @@ class SplitModel:
         self.kernel = kernel_name(self.device, self.dtype) if backend == "fast" else "transformers-modules"
         self.fast_layers: list[FastLayer] = []
         if backend == "fast":
-            self.fast_layers = [FastLayer(layer, i) for i, layer in enumerate(self.layers)]
+            self.fast_layers = [FastLayer(layer, i, self.windows[i]) for i, layer in enumerate(self.layers)]
             self._fast_norm = Norm(self.norm)
             self._fast_lm_head = pack_linear(self.lm_head)
 

@@ -1,0 +1,143 @@
+"""Measured forward costs and the economics of a draft built on them.
+
+Speculation pays when the tokens a verification accepts are worth more than what drafting and
+verifying cost, and on a CPU a block of n tokens costs far from what one token costs (docs/
+BENCHMARKS.md). So the engine decides from costs measured on the running machine, not from the
+ratio of layer counts:
+
+    t_shallow(n)  layers [0, k) for n tokens       t_deep(n)  layers [k, L) + LM head for n tokens
+    t_head        the exit head for one token       t_plain   = t_shallow(1) + t_deep(1)
+
+One round with g drafts costs  g * (t_shallow(1) + t_head) + t_shallow(1) + t_deep(g + 1)  and emits
+E[accepted] + 1 tokens, so its speed relative to plain decoding is
+
+    speedup(g) = (E[accepted | g] + 1) * t_plain / round_cost(g)
+
+with E[accepted | g] = sum_{i <= g} prod_{j <= i} a_j for per-position acceptance rates a_j. The
+engine picks the g with the best speedup, and g = 0 (plain decoding) when no g beats 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from selfspec.models.split import SplitModel
+
+
+def time_call(fn, reps: int = 10, warmup: int = 2) -> float:
+    """Lower quartile of ``reps`` timings of ``fn()`` in seconds (robust to a shared machine's spikes)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 4]
+
+
+@torch.inference_mode()
+def time_layers(split: SplitModel, start: int, end: int, n: int, context: int, reps: int = 10,
+                lm_head: bool = False) -> float:
+    """Seconds for ``n`` new tokens through layers [start, end) (+ final norm and LM head) over a cache
+    already holding ``context`` tokens; the cache is rolled back after each call."""
+    cache = split.new_cache(context + n)
+    g = torch.Generator().manual_seed(0)
+    ctx_ids = torch.randint(0, split.vocab_size, (1, context), generator=g, device=split.device)
+    if context:
+        split.forward_all(ctx_ids, torch.arange(context, device=split.device)[None], cache)
+    h0 = split.embed(torch.randint(0, split.vocab_size, (1, n), generator=g, device=split.device))
+    pos = torch.arange(context, context + n, device=split.device)[None]
+    if start > 0:  # the cache of layers [0, start) must already hold the new tokens
+        split.run_layers(h0, 0, start, pos, cache)
+
+    def call() -> None:
+        h = split.run_layers(h0, start, end, pos, cache)
+        if lm_head:
+            split.logits(h)
+        cache.truncate(context)
+        for i in range(start):
+            cache.lengths[i] = context + n
+
+    return time_call(call, reps)
+
+
+@torch.inference_mode()
+def time_head(head, split: SplitModel, reps: int = 10) -> float:
+    """Seconds for the exit head on one token (its state, if any, holds a short context)."""
+    h = torch.randn(1, 1, split.hidden_size, dtype=split.dtype, device=split.device)
+    pos = torch.zeros(1, 1, dtype=torch.long, device=split.device)
+    if not head.stateful:
+        return time_call(lambda: head(h, pos), reps)
+    state = head.new_state(64)
+
+    def call() -> None:
+        head(h, pos, state)
+        head.rollback(state, 0)
+
+    return time_call(call, reps)
+
+
+@dataclass
+class DraftCosts:
+    """Measured costs (seconds) of one exit layer's draft on the running machine."""
+
+    exit_layer: int
+    t_shallow: float  # layers [0, k), one token
+    t_head: float  # exit head, one token
+    t_deep: dict[int, float] = field(default_factory=dict)  # n -> layers [k, L) + LM head for n tokens
+
+    @property
+    def t_plain(self) -> float:
+        return self.t_shallow + self.t_deep[1]
+
+    def round_cost(self, g: int) -> float:
+        return g * (self.t_shallow + self.t_head) + self.t_shallow + self.deep(g + 1)
+
+    def deep(self, n: int) -> float:
+        """t_deep(n), interpolated linearly between measured block sizes."""
+        ns = sorted(self.t_deep)
+        if n in self.t_deep:
+            return self.t_deep[n]
+        lo = max((m for m in ns if m < n), default=ns[0])
+        hi = min((m for m in ns if m > n), default=ns[-1])
+        if hi == lo:
+            return self.t_deep[lo] * n / lo
+        return self.t_deep[lo] + (self.t_deep[hi] - self.t_deep[lo]) * (n - lo) / (hi - lo)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_draft_costs(split: SplitModel, head, context: int = 256, block_sizes: tuple[int, ...] = (1, 2, 4, 8),
+                        reps: int = 6) -> DraftCosts:
+    """Measure what the economics need for ``head`` at its exit layer (a second or two)."""
+    k, L = head.exit_layer, split.num_layers
+    deep = {n: time_layers(split, k, L, n, context, reps, lm_head=True) for n in block_sizes}
+    return DraftCosts(k, time_layers(split, 0, k, 1, context, reps), time_head(head, split, reps), deep)
+
+
+def expected_accepted(acceptance: list[float], g: int) -> float:
+    """E[accepted drafts] for g drafts with per-position acceptance rates (the last rate repeats)."""
+    total, run = 0.0, 1.0
+    for i in range(g):
+        a = acceptance[min(i, len(acceptance) - 1)] if acceptance else 0.0
+        run *= a
+        total += run
+    return total
+
+
+def speedup(costs: DraftCosts, acceptance: list[float], g: int) -> float:
+    """Expected speed of rounds of g drafts relative to plain decoding (g = 0 is plain: 1.0)."""
+    if g == 0:
+        return 1.0
+    return (expected_accepted(acceptance, g) + 1.0) * costs.t_plain / costs.round_cost(g)
+
+
+def best_gamma(costs: DraftCosts, acceptance: list[float], max_gamma: int = 8) -> tuple[int, float]:
+    """(gamma, expected speedup over plain) maximising the speedup; gamma 0 means decode plainly."""
+    return max(((g, speedup(costs, acceptance, g)) for g in range(max_gamma + 1)), key=lambda t: t[1])

@@ -1,0 +1,66 @@
+"""selfspec bench-forward on a tiny random Llama: every figure present and well formed, plot written,
+CLI options parsed. No test asserts a speed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LAYERS, tiny_model
+
+from selfspec import DraftConfig, SelfSpec
+from selfspec.bench.forward import RANGES, ForwardBenchConfig, format_tables, measure_bandwidth, run
+from selfspec.cli import build_parser, config_from_args
+from selfspec.config import ModelConfig
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_forward_tiny(tmp_path: Path) -> None:
+    ss = SelfSpec(tiny_model("llama"), None, DraftConfig(gamma=2))
+    cfg = ForwardBenchConfig(block_sizes=[1, 2], contexts=[8], reps=1, bandwidth_mb=8,
+                             out=str(tmp_path / "fwd.json"), plot=str(tmp_path / "fwd.png"))
+    res = run(ModelConfig(), cfg, ss=ss)
+    saved = json.loads(Path(cfg.out).read_text())
+    assert saved["config"]["block_sizes"] == [1, 2] and saved["bandwidth_gbps"] > 0
+    k = saved["model_info"]["exit_layer"]
+    assert k == max(1, LAYERS // 4)
+    assert saved["bytes"]["full"] == saved["bytes"]["shallow"] + saved["bytes"]["deep"] > 0
+    figs = {(f["backend"], f["table_context"], f["range"], f["n"]): f for f in saved["figures"]}
+    assert len(figs) == len(saved["figures"]) == 2 * 1 * len(RANGES) * 2
+    for b in ("fast", "reference"):
+        for r in RANGES:
+            for n in (1, 2):
+                f = figs[b, 8, r, n]
+                assert f["ms"] > 0 and f["gbps"] > 0 and f["floor_ms"] > 0 and f["bandwidth_fraction"] > 0
+                assert f["kernel"] and f["dtype"] == "float32" and f["threads"] == 1 and "torch" in f
+                if n == 1:
+                    assert f["ratio"] == 1.0
+                else:
+                    assert f["ratio"] == pytest.approx(f["ms"] / figs[b, 8, r, 1]["ms"])
+    assert figs["reference", 8, "full", 1]["kernel"] == "transformers-modules"
+    assert Path(cfg.plot).stat().st_size > 0
+    table = format_tables(res)
+    assert "context 8" in table and table.count("| fast |") == len(RANGES)
+
+
+def test_measure_bandwidth() -> None:
+    assert measure_bandwidth(4) > 0
+
+
+def test_cli_parses_bench_forward() -> None:
+    args = build_parser().parse_args(["bench-forward", "--block-sizes", "1", "--block-sizes", "2",
+                                      "--backends", "fast", "--exit-layer", "3", "--threads", "1"])
+    cfg = config_from_args(args, ForwardBenchConfig)
+    assert cfg.block_sizes == [1, 2] and cfg.backends == ["fast"] and cfg.exit_layer == 3
+    assert cfg.contexts == [256, 1024] and cfg.reps == 8
+    assert config_from_args(args, ModelConfig).threads == 1
+    assert args.func.__module__ == "selfspec.bench.forward"
