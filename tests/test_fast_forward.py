@@ -63,3 +63,32 @@ def test_fast_logits_match_reference_on_default_model(default_ss):
     diff = (a - b).abs().max().item()
     assert diff < 5e-3, f"max abs logit difference {diff:.2e}"
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3"])
+def test_layer_head_fast_block_matches_its_module(arch):
+    """The trained 'layer' head runs its block as a FastLayer at inference (packed weights, rebuilt when
+    training changes them); its logits match the transformers module's, step by step with its cache."""
+    from selfspec.heads.io import new_head
+
+    split = SplitModel(tiny_model(arch), "fast")
+    head = new_head("layer", split, 2)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(1, 12, split.hidden_size, generator=g)
+
+    def run(grad: bool) -> torch.Tensor:
+        state = head.new_state(16)
+        with torch.set_grad_enabled(grad):
+            outs = [head(h[:, :5], torch.arange(5)[None], state)]
+            outs += [head(h[:, i : i + 1], torch.tensor([[i]]), state) for i in range(5, 12)]
+        return torch.cat(outs, dim=1).detach()
+
+    ref, fast = run(True), run(False)  # grad on: the module; off: the fast block
+    assert head._fast is not None
+    assert (ref - fast).abs().max().item() < 1e-4
+    with torch.no_grad():
+        w = head.block.mlp.down_proj.weight  # changed in place as an optimizer step would: the copy is rebuilt
+        w.add_(torch.randn(w.shape, generator=g) * w.abs().mean())
+    ref2, fast2 = run(True), run(False)
+    assert (ref2 - fast2).abs().max().item() < 1e-4
+    assert (ref2 - ref).abs().max().item() > 1e-3

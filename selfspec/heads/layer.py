@@ -18,6 +18,7 @@ import torch
 from selfspec.heads.base import CachedHead
 from selfspec.heads.kangaroo import RMSNorm
 from selfspec.models.cache import KVCache
+from selfspec.models.fast import FastLayer, Rotary
 from selfspec.models.split import SplitModel, causal_mask
 
 
@@ -31,16 +32,33 @@ class DecoderLayerHead(CachedHead):
         self.block.self_attn.layer_idx = 0  # its own one-layer cache
         self.norm_out = RMSNorm(split.hidden_size, getattr(split.config, "rms_norm_eps", 1e-6))
         self._kind, self._window = split.layer_types[src], split.windows[src]
+        self._fast: tuple[tuple[int, ...], FastLayer] | None = None
         self.to(device=split.device, dtype=split.dtype)
 
     def init_from_target(self) -> None:
         with torch.no_grad():
             self.norm_out.weight.copy_(self.split.norm.weight)
 
+    def _fast_block(self) -> FastLayer | None:
+        """The block as a FastLayer (packed weights) for inference on the fast backend; rebuilt when the
+        weights change (an optimizer step bumps their version)."""
+        if self.split.backend != "fast" or torch.is_grad_enabled():
+            return None
+        version = tuple(p._version for p in self.block.parameters())
+        if self._fast is None or self._fast[0] != version:
+            self._fast = (version, FastLayer(self.block, 0, self._window))
+        return self._fast[1]
+
     def forward(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None) -> torch.Tensor:
         split = self.split
         rot = split.rotary_emb(h, positions, self._kind) if split._rotary_by_type else split.rotary_emb(h, positions)
         n = h.shape[1]
+        fast = self._fast_block() if state is not None else None
+        if fast is not None:
+            mask = causal_mask(n, state.lengths[0] + n, self._window, h.device)
+            start = state.reserve(0, n)
+            x = fast.forward(h.clone(), Rotary(*rot), mask, state.keys[0], state.values[0], start)
+            return self.lm_logits(self.norm_out(x))
         if state is not None:
             mask = causal_mask(n, state.lengths[0] + n, self._window, h.device)
         else:  # training over whole sequences: a plain causal mask (None lets SDPA use is_causal)
