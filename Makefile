@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: install
-	$(PYTHON) -m selfspec.cli generate "Write a short poem about speculative decoding." --max-new-tokens 64
+	$(PYTHON) -m selfspec demo
 
 test: install
 	$(PYTHON) -m ruff check selfspec tests

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from selfspec.bench.forward import add_parser as add_forward
+    from selfspec.demo import add_parser as add_demo
+
+    add_demo(sub)
     from selfspec.bench.quick import add_parser as add_quick
     from selfspec.bench.specbench import add_parser as add_bench
 

@@ -70,3 +70,14 @@ def test_default_model_lossless_with_bundled_trained_head(default_ss):
         out = ss.generate(ids, max_new_tokens=64)
         assert out.token_ids == ref, (text, gamma, policy)
         assert sum(out.stats.accepted_per_position) > 0  # it drafts something the target accepts
+
+
+@pytest.mark.slow
+def test_demo_shows_identical_texts_side_by_side(capsys):
+    from selfspec.config import ModelConfig
+    from selfspec.demo import DemoConfig, run
+
+    rows = run(ModelConfig(), DemoConfig(max_new_tokens=12))
+    assert [r["method"] for r in rows] == ["transformers generate", "selfspec plain", "selfspec (default)"]
+    assert all(r["identical"] and r["tok_s"] > 0 for r in rows)
+    assert "same text as transformers" in capsys.readouterr().out
