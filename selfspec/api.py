@@ -29,6 +29,7 @@ from selfspec.textstream import TextStream
 
 Prompt = str | list[dict[str, str]] | list[int]
 MAX_AUTO_GAMMA = 8  # the longest draft the cost-aware choice considers
+LOOKUP_PRIOR = 0.5  # prior acceptance of lookup drafts per position (then learned from every lookup round)
 
 
 @dataclass
@@ -91,11 +92,17 @@ class SelfSpec:
         acceptance observed so far (``CostAwarePolicy``)."""
         head = self.make_head(draft)
         policy = make_policy(draft.policy, draft.threshold)
-        gamma = draft.gamma
+        gamma, lookup_policy = draft.gamma, None
+        if draft.lookup < 0 or draft.lookup_ngram < 2:
+            raise InvalidConfigError(f"lookup must be >= 0 and lookup_ngram >= 2, got {draft.lookup}, "
+                                     f"{draft.lookup_ngram}")
         if gamma is None:
-            policy = CostAwarePolicy(policy, self.draft_costs(head, draft))
+            costs = self.draft_costs(head, draft)
+            policy = CostAwarePolicy(policy, costs)
+            lookup_policy = CostAwarePolicy(make_policy("fixed"), costs.for_lookup(), prior=LOOKUP_PRIOR)
             gamma = MAX_AUTO_GAMMA
-        self.engine = Engine(self.split, EarlyExitDrafter(self.split, head, policy), gamma=gamma)
+        drafter = EarlyExitDrafter(self.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy)
+        self.engine = Engine(self.split, drafter, gamma=gamma)
         self.draft_config = replace(draft, exit_layer=head.exit_layer)
         self.head = head
 

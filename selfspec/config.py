@@ -75,6 +75,14 @@ class DraftConfig:
         "default model's trained head, docs/TRAINING.md).",
     )
 
+    lookup: int = opt(
+        8,
+        "Most lookup drafts per step: the continuation of the latest earlier occurrence of the text's last "
+        "n-gram (prompt lookup decoding), proposed instead of the early-exit draft when there is one; "
+        "0: off. With gamma=None the length is chosen from measured costs and lookup acceptance.",
+    )
+    lookup_ngram: int = opt(3, "Longest n-gram matched for lookup drafts (down to 2).")
+
     def to_dict(self) -> dict:
         return asdict(self)
 

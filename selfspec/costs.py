@@ -90,6 +90,7 @@ class DraftCosts:
     t_shallow: float  # layers [0, k), one token
     t_head: float  # exit head, one token
     t_deep: dict[int, float] = field(default_factory=dict)  # n -> layers [k, L) + LM head for n tokens
+    t_shallow_block: dict[int, float] = field(default_factory=dict)  # n -> layers [0, k) for n tokens at once
 
     @property
     def t_plain(self) -> float:
@@ -100,17 +101,28 @@ class DraftCosts:
 
     def deep(self, n: int) -> float:
         """t_deep(n), interpolated linearly between measured block sizes."""
-        ns = sorted(self.t_deep)
-        if n in self.t_deep:
-            return self.t_deep[n]
-        lo = max((m for m in ns if m < n), default=ns[0])
-        hi = min((m for m in ns if m > n), default=ns[-1])
-        if hi == lo:
-            return self.t_deep[lo] * n / lo
-        return self.t_deep[lo] + (self.t_deep[hi] - self.t_deep[lo]) * (n - lo) / (hi - lo)
+        return _interpolate(self.t_deep, n)
+
+    def for_lookup(self) -> DraftCosts:
+        """The costs of lookup drafts: nothing to propose, one shallow pass over the whole block; as a
+        DraftCosts whose 'deep' range is the full forward of n tokens (shallow block + deep)."""
+        full = {n: _interpolate(self.t_shallow_block or {1: self.t_shallow}, n) + t for n, t in self.t_deep.items()}
+        return DraftCosts(self.exit_layer, 0.0, 0.0, full)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _interpolate(table: dict[int, float], n: int) -> float:
+    """table[n], linear between measured sizes, proportional beyond the largest."""
+    if n in table:
+        return table[n]
+    ns = sorted(table)
+    lo = max((m for m in ns if m < n), default=ns[0])
+    hi = min((m for m in ns if m > n), default=ns[-1])
+    if hi == lo:
+        return table[lo] * n / lo
+    return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
 
 
 def measure_draft_costs(split: SplitModel, head, context: int = 256, block_sizes: tuple[int, ...] = (1, 2, 4, 8),
@@ -118,7 +130,8 @@ def measure_draft_costs(split: SplitModel, head, context: int = 256, block_sizes
     """Measure what the economics need for ``head`` at its exit layer (a second or two)."""
     k, L = head.exit_layer, split.num_layers
     deep = {n: time_layers(split, k, L, n, context, reps, lm_head=True) for n in block_sizes}
-    return DraftCosts(k, time_layers(split, 0, k, 1, context, reps), time_head(head, split, reps), deep)
+    shallow = {n: time_layers(split, 0, k, n, context, reps) for n in block_sizes}
+    return DraftCosts(k, shallow[1], time_head(head, split, reps), deep, shallow)
 
 
 def expected_accepted(acceptance: list[float], g: int) -> float:

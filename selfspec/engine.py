@@ -88,11 +88,12 @@ class Engine:
         return seq.pending
 
     def speculative_step(
-        self, seq: SequenceState, gen: GenerateConfig, max_drafts: int, stats: GenerationStats
+        self, seq: SequenceState, gen: GenerateConfig, max_drafts: int, stats: GenerationStats,
+        limit: int | None = None,
     ) -> list[int]:
         split, drafter = self.split, self.drafter
         p = seq.length
-        block = drafter.propose(seq, max_drafts, gen)
+        block = drafter.propose(seq, max_drafts, gen, limit=max_drafts if limit is None else limit)
         g = len(block.tokens)
         h = split.run_layers(block.exit_states, drafter.exit_layer, split.num_layers, seq.positions(p, g + 1), seq.cache)
         target_logits = split.logits(h)  # [1, g + 1, vocab]
@@ -110,8 +111,10 @@ class Engine:
         seq.cache.truncate(p + 1 + m)  # keep the pending token and the accepted drafts
         seq.length, seq.pending = p + 1 + m, nxt
         drafter.accepted(seq, block, m)
-        stats.record_step(g, m)
-        return block.tokens[:m] + [nxt]
+        stats.record_step(g, m, block.source)
+        out = block.tokens[:m] + [nxt]
+        seq.tokens.extend(out)
+        return out
 
     # ---- the loop ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -127,6 +130,7 @@ class Engine:
         seq = self.new_sequence(len(prompt_ids), gen)
         stats.prompt_tokens = len(prompt_ids)
         first = self.prefill(seq, prompt_ids, gen, speculative)
+        seq.tokens = [*prompt_ids, first]
         stats.prefill_time = time.perf_counter() - t0
         stats.new_tokens, stats.wall_time = 1, stats.prefill_time
         yield [first]
@@ -134,9 +138,10 @@ class Engine:
             remaining = gen.max_new_tokens - stats.new_tokens
             if speculative:
                 max_drafts = min(self.drafter.policy.max_drafts(self.gamma), remaining - 1)
-                block = self.speculative_step(seq, gen, max_drafts, stats)
+                block = self.speculative_step(seq, gen, max_drafts, stats, limit=remaining - 1)
             else:
                 block = [self.decode_one_token(seq, gen)]
+                seq.tokens.append(block[0])
                 stats.record_step(0, 0)
             block = block[:remaining]
             stats.new_tokens += len(block)

@@ -19,6 +19,7 @@ class SequenceState:
     generator: torch.Generator | None = None
     head_state: Any = None  # the exit head's own state (Kangaroo adapter KV), if any
     head_backlog: torch.Tensor | None = None  # [1, b, hidden] exit states of positions the head has not seen
+    tokens: list[int] = field(default_factory=list)  # prompt + emitted tokens (pending included): lookup drafts
     extras: dict[str, Any] = field(default_factory=dict)
 
     def positions(self, start: int, n: int) -> torch.Tensor:  # [1, n]

@@ -13,6 +13,9 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step, bonus included
     proposed_per_position: list[int] = field(default_factory=list)  # draft tokens proposed at position i
     accepted_per_position: list[int] = field(default_factory=list)  # ... and accepted
+    lookup_steps: int = 0  # steps whose drafts came from an n-gram match (lookup), not the early exit
+    lookup_proposed: int = 0  # lookup drafts proposed (not in the per-position lists, which are the early exit's)
+    lookup_accepted: int = 0  # lookup drafts accepted
     prefill_time: float = 0.0  # seconds, prompt forward and first token
     wall_time: float = 0.0  # seconds, whole generation (prefill included)
 
@@ -29,8 +32,14 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
 
-    def record_step(self, proposed: int, accepted: int) -> None:
+    def record_step(self, proposed: int, accepted: int, source: str = "early_exit") -> None:
         self.steps += 1
+        if source == "lookup":
+            self.lookup_steps += 1
+            self.lookup_proposed += proposed
+            self.lookup_accepted += accepted
+            self.accept_lengths.append(accepted + 1)
+            return
         self.accept_lengths.append(accepted + 1)
         while len(self.proposed_per_position) < proposed:
             self.proposed_per_position.append(0)
@@ -45,6 +54,9 @@ class GenerationStats:
         self.prompt_tokens += other.prompt_tokens
         self.new_tokens += other.new_tokens
         self.steps += other.steps
+        self.lookup_steps += other.lookup_steps
+        self.lookup_proposed += other.lookup_proposed
+        self.lookup_accepted += other.lookup_accepted
         self.accept_lengths += other.accept_lengths
         grow = len(other.proposed_per_position) - len(self.proposed_per_position)
         self.proposed_per_position += [0] * max(0, grow)
@@ -70,4 +82,6 @@ class GenerationStats:
             f"{self.new_tokens} tokens in {self.wall_time:.2f}s ({self.tokens_per_second:.1f} tok/s), "
             f"{self.steps} steps, mean accepted length {self.mean_accepted_length:.2f}"
             + (f", acceptance per position [{rates}]" if rates else "")
+            + (f", lookup: {self.lookup_steps} steps, {self.lookup_accepted}/{self.lookup_proposed} drafts accepted"
+               if self.lookup_steps else "")
         )

@@ -140,7 +140,9 @@ def test_bfloat16_fast_path_equals_transformers_bfloat16(arch):
     import copy
 
     model = copy.deepcopy(tiny_model(arch)).to(torch.bfloat16)
-    draft = DraftConfig(exit_layer=2, head="lm", gamma=3, policy="fixed")
+    # lookup off: a lookup block's larger verification rounds differently in bfloat16 than one-token
+    # steps (near-ties flip), which says nothing about the fast path
+    draft = DraftConfig(exit_layer=2, head="lm", gamma=3, policy="fixed", lookup=0)
     ss = SelfSpec(model, None, draft)
     ref_ss = SelfSpec(model, None, draft, backend="reference")
     assert ss.split.dtype == torch.bfloat16 and ss.split.backend == "fast"

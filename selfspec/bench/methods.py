@@ -188,10 +188,10 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
         return Method(name, base, spec, options={"assistant_early_exit": layer},
                       info={"exit_layer": layer, "num_layers": ss.split.num_layers})
     draft = DraftConfig(exit_layer=k, head="lm", gamma=cfg.gamma, policy="fixed", threshold=cfg.threshold)
-    if base == "selfspec-default":  # exactly what a user gets: DraftConfig()'s defaults
-        _no_more(kv, spec)
-        draft, name = DraftConfig(), alias or base
-    elif base == "selfspec":
+    if base in ("selfspec", "selfspec-default"):
+        if base == "selfspec-default":  # exactly what a user gets: DraftConfig()'s defaults
+            _no_more(kv, spec)
+            draft, kv, alias = DraftConfig(), {"head": "auto"}, alias or base
         values = {key: _convert(key, v) for key, v in kv.items()}
         if values.get("head") == "trained":
             values["head"] = _need_trained(cfg, ss, spec)
@@ -262,7 +262,7 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) 
         ss.set_draft(method.draft)  # untimed; an adaptive policy starts afresh each turn
     r = ss.generate(ids, gen, method="plain" if method.kind == "plain" else "selfspec")
     st = r.stats
-    drafted = sum(st.proposed_per_position) if method.kind == "selfspec" else 0
+    drafted = sum(st.proposed_per_position) + st.lookup_proposed if method.kind == "selfspec" else 0
     return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids))
 
 

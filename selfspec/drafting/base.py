@@ -23,6 +23,7 @@ class DraftBlock:
     probs: torch.Tensor | None
     exit_states: torch.Tensor | None
     start: int = 0  # position of the pending token (exit_states[:, 0])
+    source: str = "early_exit"  # or "lookup" (n-gram match): each source learns its own acceptance
 
 
 class Drafter(Protocol):
@@ -31,8 +32,9 @@ class Drafter(Protocol):
     def start(self, seq, prompt_exit_states: torch.Tensor) -> None:
         """After the prompt's prefill (e.g. give a stateful exit head the prompt's exit states)."""
 
-    def propose(self, seq, max_drafts: int, gen) -> DraftBlock:
-        """Propose up to ``max_drafts`` tokens after ``seq.pending``; may write the shallow KV cache."""
+    def propose(self, seq, max_drafts: int, gen, limit: int | None = None) -> DraftBlock:
+        """Propose up to ``max_drafts`` tokens after ``seq.pending`` (drafts that cost nothing to
+        propose, such as lookup matches, up to ``limit``); may write the shallow KV cache."""
 
     def accepted(self, seq, block: DraftBlock, num_accepted: int) -> None:
         """After verification rolled ``seq`` back to its accepted length: sync own state, learn."""

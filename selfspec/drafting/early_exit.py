@@ -15,6 +15,11 @@ One round, from the pending token x at position p (worked example, gamma = 3):
 
 With the confidence policy, if q_2's top-1 probability is below the threshold the round stops
 after h_1 (drafts [d_1]; exit_states [h_x, h_1]): no extra shallow pass is needed.
+
+Lookup drafts (``lookup`` > 0, selfspec.drafting.lookup): when the text's last n-gram occurred
+before, its continuation [d_1..d_g] is proposed instead, at no model cost; one shallow pass over
+[x, d_1..d_g] gives the exit states. How long such a block is, and whether the early-exit draft runs
+at all, each source's own policy decides from its measured costs and the acceptance it has seen.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.drafting.base import DraftBlock
+from selfspec.drafting.lookup import NgramIndex
 from selfspec.drafting.policies import FixedPolicy
 from selfspec.heads.base import ExitHead
 from selfspec.models.split import SplitModel
@@ -30,9 +36,12 @@ from selfspec.state import SequenceState
 
 
 class EarlyExitDrafter:
-    def __init__(self, split: SplitModel, head: ExitHead, policy: FixedPolicy) -> None:
+    def __init__(self, split: SplitModel, head: ExitHead, policy: FixedPolicy, lookup: int = 0,
+                 lookup_ngram: int = 3, lookup_policy: FixedPolicy | None = None) -> None:
         self.split, self.head, self.policy = split, head, policy
         self.exit_layer = head.exit_layer
+        self.lookup, self.lookup_ngram = lookup, lookup_ngram
+        self.lookup_policy = lookup_policy or FixedPolicy()
 
     def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor) -> None:
         """After the prompt's prefill: a stateful head must still see the prompt's exit states."""
@@ -49,7 +58,25 @@ class EarlyExitDrafter:
         start = self.head.seen(seq.head_state)
         return self.head(h, seq.positions(start, h.shape[1]), seq.head_state)[0, -1]
 
-    def propose(self, seq: SequenceState, max_drafts: int, gen) -> DraftBlock:
+    def _lookup(self, seq: SequenceState, limit: int) -> DraftBlock | None:
+        """A block of lookup drafts, or None when the last n-gram has no earlier occurrence."""
+        index = seq.extras.get("ngram")
+        if index is None or index.tokens is not seq.tokens:
+            index = seq.extras["ngram"] = NgramIndex(seq.tokens, self.lookup_ngram)
+        g = min(limit, self.lookup_policy.max_drafts(self.lookup))
+        drafts = index.continuation(g)
+        if not drafts:
+            return None
+        split, p = self.split, seq.length
+        ids = torch.tensor([[seq.pending, *drafts]], dtype=torch.long, device=split.device)
+        states = split.run_layers(split.embed(ids), 0, self.exit_layer, seq.positions(p, len(drafts) + 1), seq.cache)
+        return DraftBlock(list(drafts), None, states, start=p, source="lookup")
+
+    def propose(self, seq: SequenceState, max_drafts: int, gen, limit: int | None = None) -> DraftBlock:
+        if self.lookup > 0 and seq.tokens:
+            block = self._lookup(seq, max_drafts if limit is None else limit)
+            if block is not None:
+                return block
         split, k = self.split, self.exit_layer
         p, tok = seq.length, seq.pending
         sampled = not gen.greedy and gen.draft_sampling == "sample"
@@ -78,7 +105,8 @@ class EarlyExitDrafter:
 
     def accepted(self, seq: SequenceState, block: DraftBlock, num_accepted: int) -> None:
         """``seq`` now holds ``seq.length`` final tokens; bring the head's state in line with it."""
-        self.policy.observe(len(block.tokens), num_accepted)
+        policy = self.lookup_policy if block.source == "lookup" else self.policy
+        policy.observe(len(block.tokens), num_accepted)
         if not self.head.stateful:
             return
         self.head.rollback(seq.head_state, seq.length)
