@@ -93,6 +93,15 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int] 
     return new
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy machine thread contention makes them crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def default_ss():
     """The real default model with the untrained exit head (loads from the converted cache)."""

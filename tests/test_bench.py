@@ -36,13 +36,7 @@ ALL_METHODS = ["hf", "hf-prompt-lookup", "hf-early-exit:exit_layer=2", "plain", 
                "selfspec-lm-confidence"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine thread contention makes them crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +235,10 @@ def test_method_specs(tiny_ss, tmp_path):
     assert parse_method("hf-early-exit", cfg, tiny_ss).options == {"assistant_early_exit": 2}
     assert parse_method("hf-prompt-lookup:num_tokens=5", cfg, tiny_ss).name == "hf-prompt-lookup-n5"
     assert parse_method("x=selfspec-lm-confidence", cfg, tiny_ss).draft.policy == "confidence"
+    d = parse_method("selfspec-default", cfg, tiny_ss)  # what a user gets, whatever the bench's defaults
+    assert d.name == "selfspec-default" and d.draft.gamma is None and d.draft.lookup > 0
+    assert d.draft.policy == DraftConfig().policy and d.info["costs"]["t_deep"][1] > 0
+    assert parse_method("selfspec:gamma=none,lookup=0", cfg, tiny_ss).draft.lookup == 0
     for bad, msg in (("nope", "unknown method"), ("selfspec-trained", "needs a trained exit head"),
                      ("selfspec:depth=3", "unknown selfspec setting"), ("selfspec:exit_layer=9", "out of range"),
                      ("selfspec-lm-greedy", "unknown drafting policy"), ("hf:x=1", "takes no settings")):

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import LAYERS, tiny_model
 
 from selfspec import DraftConfig, SelfSpec
@@ -15,13 +14,7 @@ from selfspec.bench.forward import RANGES, ForwardBenchConfig, format_tables, me
 from selfspec.cli import build_parser, config_from_args
 from selfspec.config import ModelConfig
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_bench_forward_tiny(tmp_path: Path) -> None:
