@@ -27,8 +27,9 @@ import torch
 from selfspec.models.split import SplitModel
 
 
-def time_call(fn, reps: int = 10, warmup: int = 2) -> float:
-    """Lower quartile of ``reps`` timings of ``fn()`` in seconds (robust to a shared machine's spikes)."""
+def time_call(fn, reps: int = 10, warmup: int = 2, quantile: float = 0.25) -> float:
+    """A quantile (default the lower quartile, robust to a shared machine's spikes) of ``reps`` timings
+    of ``fn()``, in seconds."""
     for _ in range(warmup):
         fn()
     ts = []
@@ -37,7 +38,7 @@ def time_call(fn, reps: int = 10, warmup: int = 2) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     ts.sort()
-    return ts[len(ts) // 4]
+    return ts[int(len(ts) * quantile)]
 
 
 @torch.inference_mode()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from selfspec.config import ModelConfig, opt
+from selfspec.costs import time_call
 from selfspec.models.split import SplitModel
 from selfspec.progress import progress
 from selfspec.train.trainer import Features, TrainConfig, evaluate, train_head
@@ -45,16 +45,6 @@ class SweepConfig:
     out: str = opt("runs/sweep-exit.json", "Result JSON (a PNG plot is written beside it).")
 
 
-def _timeit(fn, repeat: int = 7) -> float:
-    fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
-
-
 @torch.inference_mode()
 def measure_costs(split: SplitModel, max_tokens: int, context: int = 128) -> dict[str, list[float]]:
     """Seconds per layer for n = 1..max_tokens new tokens over a ``context``-token cache, and of the
@@ -71,8 +61,8 @@ def measure_costs(split: SplitModel, max_tokens: int, context: int = 128) -> dic
             split.run_layers(h, 0, split.num_layers, pos, cache)
             cache.truncate(context)
 
-        layer.append(_timeit(run) / split.num_layers)
-        head.append(_timeit(lambda h=h: split.logits(h)))
+        layer.append(time_call(run, reps=7, warmup=1, quantile=0.5) / split.num_layers)
+        head.append(time_call(lambda h=h: split.logits(h), reps=7, warmup=1, quantile=0.5))
     return {"layer": layer, "head": head}
 
 
