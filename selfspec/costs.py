@@ -68,13 +68,14 @@ def time_layers(split: SplitModel, start: int, end: int, n: int, context: int, r
 
 
 @torch.inference_mode()
-def time_head(head, split: SplitModel, reps: int = 10) -> float:
-    """Seconds for the exit head on one token (its state, if any, holds a short context)."""
-    h = torch.randn(1, 1, split.hidden_size, dtype=split.dtype, device=split.device)
-    pos = torch.zeros(1, 1, dtype=torch.long, device=split.device)
+def time_head(head, split: SplitModel, reps: int = 10, n: int = 1) -> float:
+    """Seconds for the exit head on ``n`` rows (one draft token at n = 1; a stateful head catching up
+    on n exit states at once for n > 1), its state starting empty."""
+    h = torch.randn(1, n, split.hidden_size, dtype=split.dtype, device=split.device)
+    pos = torch.arange(n, device=split.device)[None]
     if not head.stateful:
         return time_call(lambda: head(h, pos), reps)
-    state = head.new_state(64)
+    state = head.new_state(max(64, n))
 
     def call() -> None:
         head(h, pos, state)

@@ -72,24 +72,6 @@ def measure_bandwidth(mb: int = 256, reps: int = 10) -> float:
 
 
 @torch.inference_mode()
-def time_head_rows(head, split: SplitModel, n: int, reps: int = 10) -> float:
-    """Seconds for the exit head on ``n`` rows (``selfspec.costs.time_head`` itself at n = 1): what the
-    head costs when it catches up on n exit-layer states at once (a stateful head starts empty)."""
-    if n == 1:
-        return time_head(head, split, reps)
-    h = torch.randn(1, n, split.hidden_size, dtype=split.dtype, device=split.device)
-    pos = torch.arange(n, device=split.device)[None]
-    if not head.stateful:
-        return time_call(lambda: head(h, pos), reps)
-    state = head.new_state(max(64, n))
-
-    def call() -> None:
-        head(h, pos, state)
-        head.rollback(state, 0)
-
-    return time_call(call, reps)
-
-
 def _param_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -183,7 +165,7 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
     for n in sizes:  # the exit head does not depend on the context: timed once per backend and n
         for b, split in splits.items():
             bar.set_postfix_str(f"{b} head n={n}")
-            head_s[b, n] = time_head_rows(_head_on(head, split), split, n, cfg.reps)
+            head_s[b, n] = time_head(_head_on(head, split), split, cfg.reps, n=n)
             bar.update(1)
     for c in cfg.contexts:
         for n in sizes:

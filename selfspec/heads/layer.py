@@ -53,14 +53,13 @@ class DecoderLayerHead(CachedHead):
         split = self.split
         rot = split.rotary_emb(h, positions, self._kind) if split._rotary_by_type else split.rotary_emb(h, positions)
         n = h.shape[1]
-        fast = self._fast_block() if state is not None else None
-        if fast is not None:
-            mask = causal_mask(n, state.lengths[0] + n, self._window, h.device)
-            start = state.reserve(0, n)
-            x = fast.forward(h.clone(), Rotary(*rot), mask, state.keys[0], state.values[0], start)
-            return self.lm_logits(self.norm_out(x))
         if state is not None:
             mask = causal_mask(n, state.lengths[0] + n, self._window, h.device)
+            fast = self._fast_block()
+            if fast is not None:
+                start = state.reserve(0, n)
+                x = fast.forward(h.clone(), Rotary(*rot), mask, state.keys[0], state.values[0], start)
+                return self.lm_logits(self.norm_out(x))
         else:  # training over whole sequences: a plain causal mask (None lets SDPA use is_causal)
             mask = None if n == 1 else causal_mask(n, n, None, h.device)
         x = self.block(h, attention_mask=mask, position_ids=positions, past_key_values=state,

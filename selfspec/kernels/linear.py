@@ -14,7 +14,8 @@ and reaches it. Paths, by device and dtype:
     cuda / other              F.linear (cuBLAS is left alone)
 
 When the kernel cannot be built (no C++ compiler), float32 falls back to oneDNN, then to F.linear,
-with one warning; ``SELFSPEC_KERNEL=torch`` forces plain F.linear everywhere (a reference for tests).
+with one warning; ``SELFSPEC_KERNEL=onednn`` skips selfspec's kernels and ``SELFSPEC_KERNEL=torch`` forces
+plain F.linear everywhere (a reference for tests).
 
 Several weights sharing an input (q, k, v; gate, up) are packed as one (fused projections): one
 kernel call instead of three, and the output is their concatenation.
@@ -102,29 +103,27 @@ class PackedLinear:
         self.parts = parts  # the originals, for many rows (prefill) and the reference
         self.out_features = sum(w.shape[0] for w in ws)
         self.in_features = ws[0].shape[1]
-        w0 = ws[0]
-        self.device, self.dtype = w0.device, w0.dtype
+        self.device, self.dtype = ws[0].device, ws[0].dtype
         biases = [b.detach() if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
                   for w, b in parts]
         self.bias = torch.cat(biases) if any(b is not None for _, b in parts) else None
         self.path = kernel_name(self.device, self.dtype)
         self._packed: torch.Tensor | None = None
         self._onednn: torch.Tensor | None = None
-        if self.path == "selfspec-cpu" and self.in_features % 4 == 0:
-            w = torch.cat(ws) if len(ws) > 1 else w0
-            n_pad = -w.shape[0] % 8
-            if n_pad:
-                w = torch.cat([w, w.new_zeros(n_pad, w.shape[1])])
-            n, k = w.shape
-            self._packed = w.reshape(n // 8, 8, k).permute(0, 2, 1).contiguous()  # [N/8, K, 8]
-            self._bias_arg = self.bias if self.bias is not None else w.new_empty(0)
-        elif self.path in ("onednn", "selfspec-cpu"):
-            self.path = "onednn"
-            w = torch.cat(ws) if len(ws) > 1 else w0
-            self._onednn = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+        if self.path in ("selfspec-cpu", "onednn"):
+            w = torch.cat(ws) if len(ws) > 1 else ws[0]  # the fused weight, kept only in packed form
+            if self.path == "selfspec-cpu" and self.in_features % 4 == 0:
+                n_pad = -w.shape[0] % 8
+                if n_pad:
+                    w = torch.cat([w, w.new_zeros(n_pad, w.shape[1])])
+                n, k = w.shape
+                self._packed = w.reshape(n // 8, 8, k).permute(0, 2, 1).contiguous()  # [N/8, K, 8]
+                self._bias_arg = self.bias if self.bias is not None else w.new_empty(0)
+            else:
+                self.path = "onednn"
+                self._onednn = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
         else:
             self.path = "torch-F.linear"
-        self._fused: torch.Tensor | None = None  # F.linear fallback for fused parts, made on demand
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:
