@@ -102,7 +102,7 @@ class SelfSpec:
             lookup_policy = CostAwarePolicy(make_policy("fixed"), costs.for_lookup(), prior=LOOKUP_PRIOR)
             gamma = MAX_AUTO_GAMMA
         drafter = EarlyExitDrafter(self.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy)
-        self.engine = Engine(self.split, drafter, gamma=gamma)
+        self.engine = Engine(self.split, drafter, gamma=gamma, tree_width=draft.tree_width)
         self.draft_config = replace(draft, exit_layer=head.exit_layer)
         self.head = head
 

@@ -111,8 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_forward(sub)
     add_bench(sub)
     from selfspec.train.cli import add_parsers as add_train
+    from selfspec.train.deep import add_parser as add_train_deep
+    from selfspec.train.features import add_parser as add_features
 
     add_train(sub)
+    add_features(sub)
+    add_train_deep(sub)
     from selfspec.server.app import add_parser as add_serve
 
     add_serve(sub)

@@ -19,13 +19,16 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.config import GenerateConfig
+from selfspec.drafting.base import DraftBlock
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.errors import ContextOverflowError, EmptyPromptError, InvalidConfigError
 from selfspec.models.split import SplitModel
 from selfspec.sampling import greedy, logits_to_probs, make_generator, sample
 from selfspec.state import SequenceState
 from selfspec.stats import GenerationStats
-from selfspec.verify import greedy_verify, speculative_verify
+from selfspec.verify import greedy_tree_verify, greedy_verify, speculative_verify, tree_sample_verify
+
+MAX_TREE_NODES = 16  # the tree's head-drafted nodes (root included); the packed kernels take up to 16 rows
 
 
 def validate_request(prompt_len: int, gen: GenerateConfig, context_length: int) -> None:
@@ -49,10 +52,13 @@ def validate_request(prompt_len: int, gen: GenerateConfig, context_length: int) 
 
 
 class Engine:
-    def __init__(self, split: SplitModel, drafter: EarlyExitDrafter | None = None, gamma: int = 4) -> None:
+    def __init__(self, split: SplitModel, drafter: EarlyExitDrafter | None = None, gamma: int = 4,
+                 tree_width: int = 0) -> None:
         if gamma < 1:
             raise InvalidConfigError(f"gamma must be >= 1, got {gamma}")
-        self.split, self.drafter, self.gamma = split, drafter, gamma
+        if tree_width < 0:
+            raise InvalidConfigError(f"tree_width must be >= 0, got {tree_width}")
+        self.split, self.drafter, self.gamma, self.tree_width = split, drafter, gamma, tree_width
 
     # ---- pieces -----------------------------------------------------------------------
     def _pick(self, logits: torch.Tensor, gen: GenerateConfig, seq: SequenceState) -> int:  # logits [vocab]
@@ -73,7 +79,7 @@ class Engine:
             k = self.drafter.exit_layer
             h_k = split.run_layers(split.embed(ids), 0, k, pos, seq.cache)
             h = split.run_layers(h_k, k, split.num_layers, pos, seq.cache)
-            self.drafter.start(seq, h_k)
+            self.drafter.start(seq, h_k, h)
         else:
             h = split.forward_all(ids, pos, seq.cache)
         seq.length = len(prompt_ids)
@@ -93,6 +99,8 @@ class Engine:
     ) -> list[int]:
         split, drafter = self.split, self.drafter
         p = seq.length
+        if self.tree_width > 1 and max_drafts > 0 and drafter.supports_tree:
+            return self.tree_step(seq, gen, max_drafts, stats, max_drafts if limit is None else limit)
         block = drafter.propose(seq, max_drafts, gen, limit=max_drafts if limit is None else limit)
         g = len(block.tokens)
         h = split.run_layers(block.exit_states, drafter.exit_layer, split.num_layers, seq.positions(p, g + 1), seq.cache)
@@ -110,9 +118,38 @@ class Engine:
         m, nxt = int(res.num_accepted[0]), int(res.next_token[0])
         seq.cache.truncate(p + 1 + m)  # keep the pending token and the accepted drafts
         seq.length, seq.pending = p + 1 + m, nxt
-        drafter.accepted(seq, block, m)
+        drafter.accepted(seq, block, m, h)
         stats.record_step(g, m, block.source)
         out = block.tokens[:m] + [nxt]
+        seq.tokens.extend(out)
+        return out
+
+    def tree_step(self, seq: SequenceState, gen: GenerateConfig, depth: int, stats: GenerationStats,
+                  limit: int) -> list[int]:
+        """One round with a token tree: draft it, verify every node in one block of the deep layers
+        under a tree mask, accept the longest agreeing path, and move that path's KV entries into
+        place in every layer (the head's state is redone from the path by the drafter)."""
+        split, drafter = self.split, self.drafter
+        p = seq.length
+        depth = min(depth, max(1, (MAX_TREE_NODES - 1) // self.tree_width))
+        block = drafter.propose_tree(seq, depth, self.tree_width, limit)
+        tree, n = block.tree, len(block.tree)
+        pos = tree.positions(list(range(n)), p, split.device)
+        h = split.run_layers(block.exit_states, drafter.exit_layer, split.num_layers, pos, seq.cache,
+                             tree=tree.attention(list(range(n)), p, split.device))
+        target_logits = split.logits(h)[0]  # [nodes, vocab]
+        if gen.greedy:
+            keep, nxt = greedy_tree_verify(tree.parents, tree.tokens, target_logits.argmax(-1))
+        else:
+            probs = logits_to_probs(target_logits, gen.temperature, gen.top_k, gen.top_p)
+            keep, nxt = tree_sample_verify(tree.parents, tree.tokens, probs, seq.generator)
+        m = len(keep) - 1
+        seq.cache.compact(p, keep)
+        seq.length, seq.pending = p + 1 + m, nxt
+        path = DraftBlock([tree.tokens[i] for i in keep[1:]], None, block.exit_states[:, keep], start=p)
+        drafter.accepted(seq, path, m, h[:, keep])
+        stats.record_step(max(tree.depths), m, "early_exit")
+        out = path.tokens + [nxt]
         seq.tokens.extend(out)
         return out
 

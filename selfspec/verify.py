@@ -83,3 +83,63 @@ def speculative_verify(
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)  # p == q numerically: use p
     nxt = torch.multinomial(residual, 1, generator=generator).squeeze(1)
     return VerifyResult(m, nxt, draft_tokens)
+
+
+# ---- token trees (selfspec.drafting.tree) ------------------------------------------------------
+# A tree's nodes: ``parents[i]`` (-1 for the root, the pending token), ``tokens[i]``; parents come
+# before children. Verification accepts a root-to-node path ``keep`` (node indices, root first) and
+# emits its drafts plus one more token: len(keep) - 1 accepted, then recovered or bonus.
+
+
+def greedy_tree_verify(
+    parents: list[int], tokens: list[int], target_ids: torch.Tensor,  # [nodes] the target's argmax after each node
+) -> tuple[list[int], int]:
+    """The longest path whose every draft equals the target's argmax after its parent; next = the
+    target's argmax after the path's last node. Worked example: parents [-1, 0, 0, 1], tokens
+    [x, a, b, c], target argmax [b, ., 7, .]: a != b, b == b accepted, no child of b -> keep [0, 2],
+    next 7 (recovered)."""
+    ids = target_ids.tolist()
+    best = [0] * len(tokens)  # accepted drafts below each node
+    nxt_child = [-1] * len(tokens)
+    for c in range(len(tokens) - 1, 0, -1):
+        p = parents[c]
+        if tokens[c] == ids[p] and best[c] + 1 > best[p]:
+            best[p], nxt_child[p] = best[c] + 1, c
+    keep = [0]
+    while nxt_child[keep[-1]] >= 0:
+        keep.append(nxt_child[keep[-1]])
+    return keep, ids[keep[-1]]
+
+
+def tree_sample_verify(
+    parents: list[int], tokens: list[int],
+    target_probs: torch.Tensor,  # [nodes, vocab] the target's (processed) distribution after each node
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Multi-candidate speculative sampling (SpecInfer, Miao et al., 2024) for deterministic drafts: at a
+    node whose target distribution is p, try its children in order; child token t is accepted with
+    probability p(t) (its draft is one-hot, so min(1, p/q) = p(t)); after a rejection p loses t and is
+    renormalized, and the next child is tried against it. When no child is accepted the next token is
+    drawn from what is left of p. Every step is an exact rejection sampler, so the output has exactly
+    the target's distribution."""
+    keep = [0]
+    while True:
+        node = keep[-1]
+        p = target_probs[node]
+        chosen = -1
+        for c in (c for c, q in enumerate(parents) if q == node):
+            t = tokens[c]
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u < float(p[t]):
+                chosen = c
+                break
+            p = p.clone()
+            p[t] = 0.0
+            mass = p.sum()
+            if mass <= 0:  # p was one-hot on t and t was still rejected: numerically impossible
+                p = target_probs[node]
+                break
+            p = p / mass
+        if chosen < 0:
+            return keep, int(torch.multinomial(p, 1, generator=generator))
+        keep.append(chosen)

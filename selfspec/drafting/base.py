@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -24,6 +24,7 @@ class DraftBlock:
     exit_states: torch.Tensor | None
     start: int = 0  # position of the pending token (exit_states[:, 0])
     source: str = "early_exit"  # or "lookup" (n-gram match): each source learns its own acceptance
+    tree: Any = None  # a TokenTree (selfspec.drafting.tree): tokens are its nodes 1.., exit_states all nodes
 
 
 class Drafter(Protocol):

@@ -29,6 +29,7 @@ import torch
 from selfspec.drafting.base import DraftBlock
 from selfspec.drafting.lookup import NgramIndex
 from selfspec.drafting.policies import FixedPolicy
+from selfspec.drafting.tree import TokenTree
 from selfspec.heads.base import ExitHead
 from selfspec.models.split import SplitModel
 from selfspec.sampling import greedy, logits_to_probs, sample
@@ -43,11 +44,44 @@ class EarlyExitDrafter:
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
         self.lookup_policy = lookup_policy or FixedPolicy()
 
-    def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor) -> None:
-        """After the prompt's prefill: a stateful head must still see the prompt's exit states."""
+    def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor,
+              prompt_final_states: torch.Tensor | None = None) -> None:
+        """After the prompt's prefill: a stateful head must still see the prompt's exit states
+        ``# [1, P, hidden]``; a deep-context head also keeps the final states ``# [1, P, hidden]``."""
         if self.head.stateful:
             seq.head_state = self.head.new_state(seq.cache.capacity)
             seq.head_backlog = prompt_exit_states
+        if self.head.needs_context:
+            n = prompt_exit_states.shape[1]
+            # row j + 1 holds the final state at position j; row 0 (before the first token) is zeros
+            finals = prompt_exit_states.new_zeros(seq.cache.capacity + 1, self.split.hidden_size)
+            finals[1 : n + 1] = prompt_final_states[0]
+            seq.extras["finals"] = finals
+
+    def _store_finals(self, seq: SequenceState, start: int, states: torch.Tensor) -> None:
+        """Final states ``# [n, hidden]`` of positions start..start + n - 1 (verified tokens)."""
+        finals = seq.extras["finals"]
+        end = start + 1 + states.shape[0]
+        if end > finals.shape[0]:
+            finals = seq.extras["finals"] = torch.cat([finals, finals.new_zeros(end, finals.shape[1])])
+        finals[start + 1 : end] = states
+
+    def _deep_logits(self, seq: SequenceState, h: torch.Tensor, pos: int,
+                     f_prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits ``# [vocab]`` for the token after position ``pos`` and the predicted final state
+        ``# [1, 1, hidden]`` there. ``f_prev``: the predicted final state of ``pos - 1`` when that token
+        is itself a draft (None: it is verified, its true final state is stored)."""
+        start = self.head.seen(seq.head_state)
+        if seq.head_backlog is not None and seq.head_backlog.shape[1] > 0:
+            h = torch.cat([seq.head_backlog, h], dim=1)
+        seq.head_backlog = None
+        n = h.shape[1]
+        ctx = seq.extras["finals"][start : start + n].unsqueeze(0)  # [1, n, hidden]: positions start - 1 ...
+        if f_prev is not None:
+            ctx = ctx.clone()
+            ctx[:, -1] = f_prev[:, -1]
+        f_hat = self.head.features(h, ctx, seq.positions(start, n), seq.head_state)[:, -1:]
+        return self.head.logits_of(f_hat)[0, -1], f_hat
 
     def _head_logits(self, seq: SequenceState, h: torch.Tensor, pos: int) -> torch.Tensor:  # -> [vocab]
         if not self.head.stateful:
@@ -81,14 +115,19 @@ class EarlyExitDrafter:
         p, tok = seq.length, seq.pending
         sampled = not gen.greedy and gen.draft_sampling == "sample"
         want_conf = getattr(self.policy, "needs_confidence", False)
+        deep = self.head.needs_context
         states, tokens, probs = [], [], []
+        f_hat = None
         ids = torch.empty((1, 1), dtype=torch.long, device=split.device)
         for i in range(max_drafts + 1):
             ids[0, 0] = tok
             states.append(split.run_layers(split.embed(ids), 0, k, seq.positions(p + i, 1), seq.cache))
             if i == max_drafts:
                 break
-            logits = self._head_logits(seq, states[-1], p + i)
+            if deep:
+                logits, f_hat = self._deep_logits(seq, states[-1], p + i, f_hat)
+            else:
+                logits = self._head_logits(seq, states[-1], p + i)
             if sampled:
                 q = logits_to_probs(logits, gen.temperature, gen.top_k, gen.top_p)
                 conf = float(q.max()) if want_conf else 1.0
@@ -103,13 +142,78 @@ class EarlyExitDrafter:
                 probs.append(q)
         return DraftBlock(tokens, torch.stack(probs) if probs else None, torch.cat(states, dim=1), start=p)
 
-    def accepted(self, seq: SequenceState, block: DraftBlock, num_accepted: int) -> None:
-        """``seq`` now holds ``seq.length`` final tokens; bring the head's state in line with it."""
+    @property
+    def supports_tree(self) -> bool:
+        """Trees need a head that can attend by tree mask (deep) or attends to nothing (lm, linear)."""
+        return self.head.needs_context or not self.head.stateful
+
+    def propose_tree(self, seq: SequenceState, depth: int, width: int, limit: int) -> DraftBlock:
+        """A token tree of ``depth`` levels, ``width`` nodes per level chosen by path score (EAGLE-2),
+        plus the lookup continuation as one more branch (at most ``limit`` long). Each level's nodes go
+        through the shallow layers as one tree block and then through the head (the deepest level skips
+        the head), so every node's exit state is ready for verification."""
+        split, k, p, head = self.split, self.exit_layer, seq.length, self.head
+        dev = split.device
+        tree = TokenTree.root(seq.pending)
+        ids = torch.tensor([[seq.pending]], dtype=torch.long, device=dev)
+        states = [split.run_layers(split.embed(ids), 0, k, seq.positions(p, 1), seq.cache)]
+        if head.needs_context:
+            logits, f_hat = self._deep_logits(seq, states[0], p, None)
+            frontier = [(0, logits, f_hat)]
+        else:
+            frontier = [(0, self._head_logits(seq, states[0], p), None)]
+        for d in range(1, depth + 1):
+            cands = []
+            for node, logits, f in frontier:
+                top = torch.log_softmax(logits.float(), -1).topk(width)
+                for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
+                    if lp > float("-inf"):
+                        cands.append((tree.scores[node] + lp, node, tok, f))
+            cands.sort(key=lambda c: -c[0])
+            cands = cands[:width]
+            rows = [tree.add(tok, node, score) for score, node, tok, _ in cands]
+            att = tree.attention(rows, p, dev)
+            pos = tree.positions(rows, p, dev)
+            new_ids = torch.tensor([[tree.tokens[i] for i in rows]], dtype=torch.long, device=dev)
+            h = split.run_layers(split.embed(new_ids), 0, k, pos, seq.cache, tree=att)
+            states.append(h)
+            if d == depth:
+                break
+            if head.needs_context:
+                ctx = torch.cat([f for _, _, _, f in cands], dim=1)  # [1, n, hidden]: each parent's f^
+                f_new = head.features(h, ctx, pos, seq.head_state, tree=att)
+                logits_new = head.logits_of(f_new)[0]
+                frontier = [(r, logits_new[j], f_new[:, j : j + 1]) for j, r in enumerate(rows)]
+            else:  # a stateless head (supports_tree)
+                logits_new = head(h, pos)[0]
+                frontier = [(r, logits_new[j], None) for j, r in enumerate(rows)]
+        if self.lookup > 0 and seq.tokens:
+            index = seq.extras.get("ngram")
+            if index is None or index.tokens is not seq.tokens:
+                index = seq.extras["ngram"] = NgramIndex(seq.tokens, self.lookup_ngram)
+            rows = tree.insert_chain(index.continuation(min(limit, self.lookup)))
+            if rows:
+                new_ids = torch.tensor([[tree.tokens[i] for i in rows]], dtype=torch.long, device=dev)
+                states.append(split.run_layers(split.embed(new_ids), 0, k, tree.positions(rows, p, dev), seq.cache,
+                                               tree=tree.attention(rows, p, dev)))
+        return DraftBlock(tree.tokens[1:], None, torch.cat(states, dim=1), start=p, source="tree", tree=tree)
+
+    def accepted(self, seq: SequenceState, block: DraftBlock, num_accepted: int,
+                 final_states: torch.Tensor | None = None) -> None:
+        """``seq`` now holds ``seq.length`` final tokens; bring the head's state in line with it.
+        ``final_states`` ``# [1, g + 1, hidden]``: the verification's last-layer states of the block."""
         policy = self.lookup_policy if block.source == "lookup" else self.policy
         policy.observe(len(block.tokens), num_accepted)
+        if self.head.needs_context:
+            self._store_finals(seq, block.start, final_states[0, : num_accepted + 1])
         if not self.head.stateful:
             return
-        self.head.rollback(seq.head_state, seq.length)
+        p, length = block.start, seq.length
         seen = self.head.seen(seq.head_state)
-        if seen < seq.length:  # states the head never consumed (the last accepted draft's)
-            seq.head_backlog = block.exit_states[:, seen - block.start : seq.length - block.start]
+        # Entries the head made from a draft's predicted final state are redone from the true one; the
+        # entry at p read the verified f(p - 1) and stays.
+        keep = min(seen, p + 1) if self.head.needs_context else min(seen, length)
+        self.head.rollback(seq.head_state, keep)
+        new = block.exit_states[:, max(keep, p) - p : length - p]
+        old = seq.head_backlog  # positions [keep, p) when the head did not run this round
+        seq.head_backlog = new if old is None or old.shape[1] == 0 else torch.cat([old, new], dim=1)

@@ -7,9 +7,10 @@ Every head has one interface so the drafter never cares which kind it holds:
     head.rollback(state, length)                      # after a rejection
     head.seen(state)                                  # positions the head has consumed
 
-Kinds: ``lm`` (the target's own final norm + LM head, no training, LayerSkip style) and
+Kinds: ``lm`` (the target's own final norm + LM head, no training, LayerSkip style),
 ``kangaroo`` (Kangaroo's adapter: one attention block with two RMSNorms in front of the frozen
-LM head). Trained heads are saved as ``head_config.json`` + ``head.safetensors``.
+LM head), ``linear``, ``layer`` (a trainable copy of decoder layer k) and ``deep`` (``layer`` fed
+with the final-layer states of the verified tokens too, EAGLE-style: ``heads.deep``). Trained heads are saved as ``head_config.json`` + ``head.safetensors``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class ExitHead(nn.Module):
 
     kind: str = "base"
     stateful: bool = False
+    needs_context: bool = False  # reads the final-layer states of earlier tokens (``heads.deep``)
 
     def __init__(self, split: SplitModel, exit_layer: int) -> None:
         super().__init__()

@@ -12,12 +12,15 @@ from safetensors.torch import load_file, save_file
 
 from selfspec.errors import ExitLayerError, HeadMismatchError, ModelNotFoundError
 from selfspec.heads.base import ExitHead, LMExitHead, check_fingerprint, model_fingerprint
+from selfspec.heads.deep import DeepContextHead
 from selfspec.heads.kangaroo import KangarooAdapter
 from selfspec.heads.layer import DecoderLayerHead
 from selfspec.heads.linear import LinearHead
 from selfspec.models.split import SplitModel
 
-HEAD_KINDS: dict[str, type[ExitHead]] = {"kangaroo": KangarooAdapter, "linear": LinearHead, "layer": DecoderLayerHead}
+HEAD_KINDS: dict[str, type[ExitHead]] = {
+    "kangaroo": KangarooAdapter, "linear": LinearHead, "layer": DecoderLayerHead, "deep": DeepContextHead,
+}
 CONFIG_NAME, WEIGHTS_NAME = "head_config.json", "head.safetensors"
 
 

@@ -19,7 +19,7 @@ from selfspec.heads.base import CachedHead
 from selfspec.heads.kangaroo import RMSNorm
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Rotary
-from selfspec.models.split import SplitModel, causal_mask
+from selfspec.models.split import SplitModel, TreeAttention, causal_mask
 
 
 class DecoderLayerHead(CachedHead):
@@ -49,19 +49,26 @@ class DecoderLayerHead(CachedHead):
             self._fast = (version, FastLayer(self.block, 0, self._window))
         return self._fast[1]
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None) -> torch.Tensor:
+    def run_block(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None,
+                  tree: TreeAttention | None = None) -> torch.Tensor:
+        """The copied decoder layer over ``h`` ``# [batch, n, hidden]`` (appending to ``state`` when given;
+        ``tree``: the n rows are token-tree nodes, as in ``SplitModel.run_layers``)."""
         split = self.split
         rot = split.rotary_emb(h, positions, self._kind) if split._rotary_by_type else split.rotary_emb(h, positions)
         n = h.shape[1]
         if state is not None:
-            mask = causal_mask(n, state.lengths[0] + n, self._window, h.device)
+            kv_len = state.lengths[0] + n
+            mask = (causal_mask(n, kv_len, self._window, h.device) if tree is None
+                    else tree.full_mask(kv_len, self._window))
             fast = self._fast_block()
             if fast is not None:
                 start = state.reserve(0, n)
-                x = fast.forward(h.clone(), Rotary(*rot), mask, state.keys[0], state.values[0], start)
-                return self.lm_logits(self.norm_out(x))
+                return fast.forward(h.clone(), Rotary(*rot), mask, state.keys[0], state.values[0], start,
+                                    causal=tree is None)
         else:  # training over whole sequences: a plain causal mask (None lets SDPA use is_causal)
             mask = None if n == 1 else causal_mask(n, n, None, h.device)
-        x = self.block(h, attention_mask=mask, position_ids=positions, past_key_values=state,
-                       position_embeddings=rot)
-        return self.lm_logits(self.norm_out(x))
+        return self.block(h, attention_mask=mask, position_ids=positions, past_key_values=state,
+                          position_embeddings=rot)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None) -> torch.Tensor:
+        return self.lm_logits(self.norm_out(self.run_block(h, positions, state)))

@@ -116,10 +116,11 @@ class FastLayer:
         keys: torch.Tensor,  # [batch, kv_heads, capacity, head_dim] this layer's cache buffers
         values: torch.Tensor,
         start: int,  # this layer's cache length before the call
+        causal: bool = True,  # False: ``mask`` is arbitrary (a token tree), never assume causal order
     ) -> torch.Tensor:
         b, n, _ = h.shape
         if self.ops is not None and b * n <= MAX_GEMV_ROWS and h.dtype == torch.float32:
-            return self._forward_fused(h, rotary, mask, keys, values, start)
+            return self._forward_fused(h, rotary, mask, keys, values, start, causal)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(self.input_norm(h)).view(b, n, hq + 2 * hkv, d)
         if self.q_norm is not None:
@@ -148,7 +149,7 @@ class FastLayer:
 
     def _forward_fused(
         self, h: torch.Tensor, rotary: Rotary, mask: torch.Tensor | None, keys: torch.Tensor,
-        values: torch.Tensor, start: int,
+        values: torch.Tensor, start: int, causal: bool = True,
     ) -> torch.Tensor:
         """The same layer through selfspec's fused CPU ops (float32, a decoding step's few rows)."""
         ops = self.ops
@@ -162,7 +163,7 @@ class FastLayer:
                 heads[:, :, hq : hq + hkv].contiguous(), self.k_norm.weight, self.k_norm.eps
             )
         q = ops.rope_qkv(qkv, *rotary.raw, keys, values, start, hq, hkv)  # [b, n, hq, d]; k, v cached
-        if n <= FUSED_ATTENTION_ROWS:  # measured: the fused op wins for 1-2 queries, SDPA from 4 on
+        if n <= FUSED_ATTENTION_ROWS and causal:  # measured: the fused op wins for 1-2 queries, SDPA from 4 on
             a = ops.attention(q, keys, values, start, self.window, self.scaling)  # [b, n, hq * d]
         else:
             a = self._sdpa(q, keys, values, start + n, mask)

@@ -20,6 +20,8 @@ layers already hold tokens the deep layers have not seen yet.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -104,8 +106,11 @@ class SplitModel:
         end: int,
         positions: torch.Tensor,  # [batch, n] absolute positions
         cache: KVCache,
+        tree: TreeAttention | None = None,
     ) -> torch.Tensor:  # [batch, n, hidden]
-        """Run decoder layers [start, end) on ``h``, appending their keys/values to ``cache``."""
+        """Run decoder layers [start, end) on ``h``, appending their keys/values to ``cache``. With
+        ``tree`` the n new tokens are nodes of a token tree (``positions``: prefix length + depth): each
+        sees the cached prefix and the tree nodes ``tree.mask`` allows (itself and its ancestors)."""
         if start >= end:
             return h
         n = h.shape[1]
@@ -122,10 +127,12 @@ class SplitModel:
                     tables[kind] = Rotary(*rotary[kind])
             key = (cache.lengths[i] + n, self.windows[i])
             if key not in masks:
-                masks[key] = causal_mask(n, key[0], key[1], h.device)
+                masks[key] = (causal_mask(n, key[0], key[1], h.device) if tree is None
+                              else tree.full_mask(key[0], key[1]))
             if self.fast_layers:
                 start_i = cache.reserve(i, n)
-                self.fast_layers[i].forward(h, tables[kind], masks[key], cache.keys[i], cache.values[i], start_i)
+                self.fast_layers[i].forward(h, tables[kind], masks[key], cache.keys[i], cache.values[i], start_i,
+                                            causal=tree is None)
                 continue
             h = self.layers[i](
                 h,
@@ -166,3 +173,28 @@ def causal_mask(q_len: int, kv_len: int, window: int | None, device: torch.devic
     if window is not None:
         mask &= k_pos > q_pos - window
     return mask[None, None]
+
+
+
+@dataclass
+class TreeAttention:
+    """Who sees whom in a token-tree block. The last ``t`` cache entries (after this call) are tree nodes,
+    the n new ones included; everything before them is the verified prefix, which every node sees.
+
+    mask:          ``# [n, t]`` bool, new node i sees tree entry j (its ancestors and itself)
+    key_positions: ``# [t]`` absolute positions of the t tree entries (for sliding windows)
+    """
+
+    mask: torch.Tensor
+    key_positions: torch.Tensor
+
+    def full_mask(self, kv_len: int, window: int | None) -> torch.Tensor:  # [1, 1, n, kv_len] bool
+        n, t = self.mask.shape
+        prefix = kv_len - t
+        out = torch.ones(n, kv_len, dtype=torch.bool, device=self.mask.device)
+        out[:, prefix:] = self.mask
+        if window is not None:
+            q_pos = self.key_positions[t - n :]
+            k_pos = torch.cat([torch.arange(prefix, device=self.mask.device), self.key_positions])
+            out &= k_pos[None, :] > q_pos[:, None] - window
+        return out[None, None]

@@ -22,7 +22,8 @@ class EvalDraftConfig:
     """Settings of ``selfspec eval-draft``."""
 
     prompts: str = opt("default", "Prompts: 'default' (project prompts not used by the default training "
-                       "recipe), a .jsonl or .txt file.")
+                       "recipe), 'sharegpt-heldout' (first user turns of the held-out ShareGPT conversations, "
+                       "disjoint from collect-features' training side and from Spec-Bench), a .jsonl or .txt file.")
     num_prompts: int = opt(8, "How many prompts to run.")
     max_new_tokens: int = opt(128, "New tokens per prompt (greedy).")
     out: str = opt("", "Write the result as JSON here (optional).")
@@ -31,6 +32,12 @@ class EvalDraftConfig:
 def eval_prompts(source: str, n: int) -> list[Any]:
     if source in ("", "default"):
         return default_prompts(10_000)[-n:]  # the tail of the task x topic mix: not in the training set
+    if source == "sharegpt-heldout":
+        from itertools import islice
+
+        from selfspec.train.sharegpt import conversations
+
+        return [m[0]["content"][:2000] for _, m in islice(conversations("sharegpt", "heldout"), n)]
     return load_seed_prompts(source, n)
 
 

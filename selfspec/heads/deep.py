@@ -1,0 +1,73 @@
+"""A deep-context exit head: EAGLE's feature-level drafting brought into early-exit self-speculation.
+
+Every verification already computes the final-layer states of the verified tokens. This head reads,
+for the token at position p, its own exit state h_k(p) (the target's layers [0, k), which the draft
+runs anyway) together with the final-layer state of the token before it, f(p - 1):
+
+    x(p)  = Fuse([RMSNorm_h(h_k(p)), RMSNorm_f(f(p - 1))])   # 2 * hidden -> hidden
+    f^(p) = DecoderLayer_copy(x(p))                           # attends over x of every earlier position
+    logits(p) = LMHead(RMSNorm_out(f^(p)))                    # the draft of token p + 1
+
+The decoder layer keeps its own one-layer KV cache per sequence (rolled back with the target's), so
+the head attends over the deep context of the whole verified prefix. f^(p) is trained to be f(p)
+(a normalized regression next to the token loss), so later draft positions, whose previous token is a
+draft with no final state yet, read f^ in place of f:
+
+    round from pending x at p:   f(p - 1) known  -> f^(p)   -> d_1
+                                 h_k(d_1), f^(p) -> f^(p+1) -> d_2 ...
+
+After verification the head's entries past position p are rolled back and the accepted tokens are fed
+again with their true final states. Verification is unchanged, so the output stays lossless.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from selfspec.heads.kangaroo import RMSNorm
+from selfspec.heads.layer import DecoderLayerHead
+from selfspec.models.cache import KVCache
+from selfspec.models.split import SplitModel, TreeAttention
+
+
+class DeepContextHead(DecoderLayerHead):
+    kind = "deep"
+    needs_context = True
+
+    def __init__(self, split: SplitModel, exit_layer: int) -> None:
+        super().__init__(split, exit_layer)
+        hidden, eps = split.hidden_size, getattr(split.config, "rms_norm_eps", 1e-6)
+        self.norm_h = RMSNorm(hidden, eps)
+        self.norm_f = RMSNorm(hidden, eps)
+        self.fuse = nn.Linear(2 * hidden, hidden, bias=False)
+        self.to(device=split.device, dtype=split.dtype)
+
+    def init_from_target(self) -> None:
+        """Both inputs start summed (Fuse = [I, I]); the block is the target's layer k."""
+        super().init_from_target()
+        hidden = self.split.hidden_size
+        eye = torch.eye(hidden, dtype=self.fuse.weight.dtype, device=self.fuse.weight.device)
+        with torch.no_grad():
+            self.fuse.weight.copy_(torch.cat([eye, eye], dim=1))
+
+    def features(
+        self,
+        h: torch.Tensor,  # [batch, n, hidden] exit states h_k
+        context: torch.Tensor,  # [batch, n, hidden] final states of the previous positions (or f^)
+        positions: torch.Tensor,  # [batch, n]
+        state: KVCache | None = None,
+        tree: TreeAttention | None = None,  # the rows are token-tree nodes (drafting a tree)
+    ) -> torch.Tensor:  # [batch, n, hidden] f^, the predicted final states
+        x = self.fuse(torch.cat([self.norm_h(h), self.norm_f(context.to(h.dtype))], dim=-1))
+        return self.run_block(x, positions, state, tree)
+
+    def logits_of(self, f_hat: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] float32
+        return self.lm_logits(self.norm_out(f_hat))
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for every row; without ``context`` the previous final states count as zeros."""
+        if context is None:
+            context = torch.zeros_like(h)
+        return self.logits_of(self.features(h, context, positions, state))

@@ -1,0 +1,249 @@
+"""Train a deep-context head (heads.deep) from stored target features (``selfspec train-deep``).
+
+Input: feature shards from ``selfspec collect-features`` (the target teacher-forced over chat text):
+exit states h_k, final states f and the target's own argmax label per token. The target stays frozen
+and nothing of it runs here, so training costs only the head:
+
+    pass 1  f^1 = head(h_k(t), f(t - 1))      true previous final states: the first draft position
+    pass 2  f^2 = head(h_k(t), f^1(t - 1))    the head's own predictions: later draft positions
+    loss = CE(pass 1) + unroll_weight * CE(pass 2) + reg_weight * MSE(rms(f^1), rms(f))
+
+with the CE over the draft's trimmed vocabulary (VocabTrim: the most frequent labels) against the
+target's argmax. Pass 2 trains the head on its own predicted features, which is what it reads from
+the second draft token on. Resumable (checkpoint + fixed batch order), time-boxed (``minutes``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.config import opt
+from selfspec.errors import InvalidConfigError
+from selfspec.heads.deep import DeepContextHead
+from selfspec.heads.io import new_head, save_head
+from selfspec.models.split import SplitModel
+from selfspec.progress import progress
+from selfspec.train.features import FeatureSet, load_features
+
+
+@dataclass
+class DeepTrainConfig:
+    """Settings of ``selfspec train-deep``."""
+
+    features: str = opt("runs/features/train", "Training feature shards (selfspec collect-features).")
+    heldout_features: str = opt("runs/features/heldout", "Held-out feature shards (other conversations), for evaluation.")
+    exit_layer: int = opt(2, "Exit layer k: the head reads h_k (must be one of the stored layers).")
+    out: str = opt("runs/deep-head", "Output directory of the trained head.")
+    epochs: float = opt(2.0, "Passes over the training tokens (fractions allowed).")
+    batch_tokens: int = opt(4096, "Tokens per optimizer step (whole conversations, padded).")
+    lr: float = opt(2e-3, "Peak learning rate (AdamW, warm-up then cosine decay).")
+    warmup: int = opt(30, "Warm-up steps.")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    unroll_weight: float = opt(0.5, "Weight of pass 2's CE (the head reading its own predicted features).")
+    reg_weight: float = opt(1.0, "Weight of the feature regression MSE(rms(f^), rms(f)).")
+    vocab_trim: int = opt(8192, "Draft vocabulary: the N most frequent target labels in the training data (0: all).")
+    assistant_only: bool = opt(False, "Train only on positions inside assistant turns.")
+    max_tokens: int = opt(0, "Use at most this many training tokens (0: all stored).")
+    minutes: float = opt(0.0, "Stop training after this many minutes (0: no limit); the head is saved either way.")
+    seed: int = opt(0, "Seed of the batch order and the head's initialization.")
+    checkpoint_every: int = opt(100, "Write a checkpoint every this many steps.")
+    resume: bool = opt(True, "Continue from <out>.checkpoint.pt when it exists.")
+
+
+def _batches(fs: FeatureSet, batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    order = torch.randperm(len(fs), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    lengths = (fs.offsets[1:] - fs.offsets[:-1]).tolist()
+    out, cur, longest = [], [], 0
+    for i in order:
+        if cur and max(longest, lengths[i]) * (len(cur) + 1) > batch_tokens:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, lengths[i])
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _collate(fs: FeatureSet, idx: list[int], k: int, label_map: torch.Tensor | None,
+             assistant_only: bool) -> dict[str, torch.Tensor]:
+    """Right-padded batch: h [B, T, H], ctx [B, T, H] (f of the previous token), final [B, T, H],
+    labels [B, T] (trimmed-vocab index, -100 = not trained)."""
+    seqs = [fs.sequence(i) for i in idx]
+    T, H, B = max(len(s["label"]) for s in seqs), fs.tensors["final"].shape[1], len(seqs)
+    h, final = torch.zeros(B, T, H), torch.zeros(B, T, H)
+    labels = torch.full((B, T), -100, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        n = len(s["label"])
+        h[b, :n], final[b, :n] = s[f"h{k}"].float(), s["final"].float()
+        lab = s["label"].long()
+        if label_map is not None:
+            lab = label_map[lab]
+        if assistant_only:
+            lab = torch.where(s["assistant"], lab, torch.full_like(lab, -100))
+        labels[b, :n] = lab
+    ctx = torch.cat([torch.zeros_like(final[:, :1]), final[:, :-1]], dim=1)
+    return {"h": h, "ctx": ctx, "final": final, "labels": labels}
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def deep_loss(head: DeepContextHead, lm_rows: torch.Tensor, batch: dict[str, torch.Tensor], cfg: DeepTrainConfig,
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    h, ctx, final, labels = batch["h"], batch["ctx"], batch["final"], batch["labels"]
+    pos = torch.arange(h.shape[1])[None].expand(h.shape[0], -1)
+    valid = labels >= 0
+    f1 = head.features(h, ctx, pos)
+    logits1 = head.norm_out(f1)[valid] @ lm_rows.T  # [n, vocab_trim]
+    ce1 = F.cross_entropy(logits1, labels[valid])
+    reg = F.mse_loss(_rms(f1), _rms(final))
+    loss, m = ce1 + cfg.reg_weight * reg, {}
+    m["top1"] = float((logits1.argmax(-1) == labels[valid]).float().mean())
+    if cfg.unroll_weight > 0:
+        ctx2 = torch.cat([ctx[:, :1], f1[:, :-1]], dim=1)
+        logits2 = head.norm_out(head.features(h, ctx2, pos))[valid] @ lm_rows.T
+        ce2 = F.cross_entropy(logits2, labels[valid])
+        loss = loss + cfg.unroll_weight * ce2
+        m["top1_unrolled"] = float((logits2.argmax(-1) == labels[valid]).float().mean())
+        m["ce2"] = float(ce2.detach())
+    m.update(ce=float(ce1.detach()), reg=float(reg.detach()), tokens=int(valid.sum()))
+    return loss, m
+
+
+@torch.no_grad()
+def evaluate_deep(head: DeepContextHead, lm_rows: torch.Tensor, fs: FeatureSet, cfg: DeepTrainConfig,
+                  label_map: torch.Tensor | None) -> dict[str, float]:
+    """Held-out top-1 agreement with the target's next token: pass 1 (first draft position, true
+    previous final state) and pass 2 (reading the head's own prediction), token-weighted. Labels outside
+    the draft vocabulary count as misses."""
+    head.eval()
+    tot: dict[str, float] = {}
+    n = 0
+    for idx in _batches(fs, cfg.batch_tokens, 0, 0):
+        batch = _collate(fs, idx, cfg.exit_layer, None, cfg.assistant_only)
+        full = batch["labels"]
+        valid = full >= 0
+        if label_map is not None:
+            batch["labels"] = torch.where(valid, label_map[full.clamp_min(0)], full)
+        _, m = deep_loss(head, lm_rows, batch, cfg)
+        kept = int((batch["labels"] >= 0).sum())
+        for key in ("top1", "top1_unrolled", "ce", "reg"):
+            if key in m:
+                tot[key] = tot.get(key, 0.0) + m[key] * kept
+        tot["kept"] = tot.get("kept", 0.0) + kept
+        n += int(valid.sum())
+    out = {k: v / max(tot["kept"], 1) for k, v in tot.items() if k != "kept"}
+    share = tot["kept"] / max(n, 1)  # agreement among kept labels times the share the vocabulary holds
+    for key in ("top1", "top1_unrolled"):
+        if key in out:
+            out[key] *= share
+    head.train()
+    return out | {"tokens": n, "label_in_vocab": share}
+
+
+def _lr(step: int, total: int, cfg: DeepTrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, total - cfg.warmup)
+    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContextHead, dict[str, Any]]:
+    key = f"h{cfg.exit_layer}"
+    train = load_features(cfg.features, [key, "final"], cfg.max_tokens)
+    if key not in train.tensors:
+        stored = sorted(k for k in train.tensors if k.startswith("h"))
+        raise InvalidConfigError(f"exit layer {cfg.exit_layer} is not stored in {cfg.features} (stored: {stored})")
+    held = load_features(cfg.heldout_features, [key, "final"]) if cfg.heldout_features else None
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    head = new_head("deep", split, cfg.exit_layer)
+    head.init_from_target()
+    head.float().train().requires_grad_(True)
+    labels = train.tensors["label"].long()
+    vocab_ids, label_map = None, None
+    if cfg.vocab_trim > 0:
+        vocab_ids = torch.bincount(labels, minlength=split.vocab_size).argsort(descending=True)[: cfg.vocab_trim]
+        label_map = torch.full((split.vocab_size,), -100, dtype=torch.long)
+        label_map[vocab_ids] = torch.arange(len(vocab_ids))
+    lm_rows = split.lm_head.weight.detach().float()
+    lm_rows = lm_rows[vocab_ids] if vocab_ids is not None else lm_rows
+    per_epoch = len(_batches(train, cfg.batch_tokens, cfg.seed, 0))
+    total = max(1, int(per_epoch * cfg.epochs))
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step, history = 0, []
+    ckpt = out.with_name(out.name + ".checkpoint.pt")  # beside the head: saving the head replaces its directory
+    if cfg.resume and ckpt.is_file():
+        state = torch.load(ckpt)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step, history = state["step"], state["history"]
+    before = evaluate_deep(head, lm_rows, held, cfg, label_map) if held is not None and step == 0 else None
+    bar = progress(total=total, initial=step, desc=f"train deep head @ layer {cfg.exit_layer}", unit="step")
+    t0, seen = time.perf_counter(), 0
+    budget = cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
+    while step < total and time.perf_counter() - t0 < budget:
+        epoch, within = divmod(step, per_epoch)
+        idx = _batches(train, cfg.batch_tokens, cfg.seed, epoch)[within]
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, total, cfg)
+        loss, m = deep_loss(head, lm_rows, _collate(train, idx, cfg.exit_layer, label_map, cfg.assistant_only), cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        seen += m["tokens"]
+        history.append({"step": step, "loss": float(loss.detach()), **m})
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{m['top1']:.2f}",
+                        tok_s=f"{seen / (time.perf_counter() - t0):.0f}")
+        bar.update()
+        if step % cfg.checkpoint_every == 0 or step == total:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history}, tmp)
+            os.replace(tmp, ckpt)
+    bar.close()
+    head.eval().requires_grad_(False)
+    after = evaluate_deep(head, lm_rows, held, cfg, label_map) if held is not None else None
+    report = {"config": asdict(cfg), "steps": step, "total_steps": total, "train_tokens": train.num_tokens,
+              "train_conversations": len(train), "heldout_before": before, "heldout_after": after,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    head.to(dtype=split.dtype)
+    if vocab_ids is not None:
+        head.trim_vocab(vocab_ids)
+    save_head(head, out, extra={"training": report})
+    (out / "train_report.json").write_text(json.dumps(report | {"history": history}, indent=1))
+    return head, report
+
+
+def add_parser(sub: Any) -> None:
+    from selfspec.cli import add_config_args
+    from selfspec.config import ModelConfig
+
+    p = sub.add_parser("train-deep", help="Train a deep-context head from stored target features.")
+    add_config_args(p, ModelConfig)
+    add_config_args(p, DeepTrainConfig)
+    p.set_defaults(func=cmd_train_deep)
+
+
+def cmd_train_deep(args: Any) -> int:
+    from selfspec.api import SelfSpec
+    from selfspec.cli import config_from_args
+    from selfspec.config import DraftConfig, ModelConfig
+
+    ss = SelfSpec.load(config_from_args(args, ModelConfig), DraftConfig(head="lm", exit_layer=1))
+    _, report = train_deep_head(ss.split, config_from_args(args, DeepTrainConfig))
+    print(json.dumps({k: report[k] for k in ("steps", "seconds", "heldout_before", "heldout_after")}, indent=2))
+    return 0

@@ -1,0 +1,79 @@
+"""The deep-context head (heads.deep): lossless on every tiny architecture, and its per-sequence state
+(its own KV cache and the stored final states) always equals what a fresh teacher-forced forward over
+the accepted tokens gives, however drafts were rejected, looked up or skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy, tiny_model
+from test_engine_equality import NEW, prompt_of
+
+from selfspec import DraftConfig, SelfSpec
+from selfspec.drafting.policies import make_policy
+from selfspec.heads.io import new_head
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def deep_ss(arch: str, k: int, gamma: int | None = 3, lookup: int = 0, seed: int = 0) -> tuple[SelfSpec, object]:
+    model = tiny_model(arch)
+    ss = SelfSpec(model, None)
+    head = new_head("deep", ss.split, k)
+    head.init_from_target()
+    torch.manual_seed(seed)
+    with torch.no_grad():  # a head that agrees sometimes, not always
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=gamma, lookup=lookup))
+    ss.engine.drafter.head = head
+    return ss, head
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deep_head_is_lossless(arch):
+    drafted = accepted = 0
+    for k in (1, 2):
+        ss, _ = deep_ss(arch, k)
+        for plen in (1, 9):
+            prompt = prompt_of(plen, plen + k)
+            ref = hf_greedy(ss.model, prompt, NEW)
+            for policy in ("fixed", "confidence"):
+                ss.engine.drafter.policy = make_policy(policy, 0.1)
+                out = ss.generate(prompt, max_new_tokens=NEW)
+                assert out.token_ids == ref, (k, plen, policy)
+                drafted += sum(out.stats.proposed_per_position)
+                accepted += sum(out.stats.accepted_per_position)
+    assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_deep_head_state_matches_a_fresh_forward(lookup):
+    """Each round's first draft (read from the verified prefix only) equals the head's teacher-forced
+    logits over the true exit and final states of that prefix."""
+    ss, head = deep_ss("llama", 2, lookup=lookup, seed=1)
+    drafter, split = ss.engine.drafter, ss.split
+    seen: list[tuple[int, torch.Tensor]] = []
+    inner = drafter._deep_logits
+
+    def spy(seq, h, pos, f_prev):
+        logits, f_hat = inner(seq, h, pos, f_prev)
+        if f_prev is None:
+            seen.append((pos, logits.clone()))
+        return logits, f_hat
+
+    drafter._deep_logits = spy
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6] if lookup else prompt_of(7, 4)
+    out = ss.generate(prompt, max_new_tokens=NEW)
+    assert out.token_ids == hf_greedy(ss.model, prompt, NEW)
+    assert len(seen) >= 3
+    ids = torch.tensor([prompt + out.token_ids])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.inference_mode():
+        cache = split.new_cache(ids.shape[1])
+        h_k = split.run_layers(split.embed(ids), 0, 2, pos, cache)
+        final = split.run_layers(h_k, 2, split.num_layers, pos, cache)
+        ctx = torch.cat([torch.zeros_like(final[:, :1]), final[:, :-1]], dim=1)
+        ref = head(h_k, pos, head.new_state(ids.shape[1]), context=ctx)[0]
+    for p, logits in seen:
+        torch.testing.assert_close(logits, ref[p], atol=1e-4, rtol=1e-4)

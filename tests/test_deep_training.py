@@ -1,0 +1,99 @@
+"""Distillation data and deep-head training on tiny parts: the ShareGPT reader survives a torn file and
+splits stably, feature shards hold what one fresh forward computes (and resume), and train-deep learns,
+resumes and saves a head the engine loads and decodes with losslessly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import hf_greedy, tiny_model, tiny_tokenizer
+
+from selfspec import DraftConfig, SelfSpec
+from selfspec.errors import InvalidConfigError
+from selfspec.heads.io import load_head
+from selfspec.train.deep import DeepTrainConfig, train_deep_head
+from selfspec.train.features import FeatureConfig, collect_features, encode_conversation, load_features
+from selfspec.train.sharegpt import conversations, is_heldout, iter_records, messages_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}. {% endfor %}"
+WORDS = "the cat sat on a mat and it was happy so we all ran to see it there".split()
+
+
+def conv(i: int) -> dict:
+    g = torch.Generator().manual_seed(i)
+    text = lambda n: " ".join(WORDS[j] for j in torch.randint(len(WORDS), (n,), generator=g).tolist())  # noqa: E731
+    return {"id": f"c{i}", "conversations": [{"from": "human", "value": text(6)}, {"from": "gpt", "value": text(20)},
+                                            {"from": "human", "value": text(4)}, {"from": "gpt", "value": text(15)}]}
+
+
+@pytest.fixture(scope="module")
+def sharegpt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sg") / "sharegpt.json"
+    text = json.dumps([conv(i) for i in range(40)])
+    path.write_text(text[: len(text) - 30])  # cut off inside the last record, like the PyPI copy
+    return path
+
+
+def test_sharegpt_reader_torn_file_and_stable_split(sharegpt_file, tmp_path):
+    recs = list(iter_records(sharegpt_file))
+    assert len(recs) == 39  # the torn 40th is dropped
+    assert messages_of(recs[0])[0]["role"] == "user" and messages_of(recs[0])[1]["role"] == "assistant"
+    assert messages_of({"conversations": [{"from": "gpt", "value": "hi"}]}) == []
+    train = [c for c, _ in conversations(str(sharegpt_file), "train", heldout=0.25)]
+    held = [c for c, _ in conversations(str(sharegpt_file), "heldout", heldout=0.25)]
+    assert train and held and not set(train) & set(held) and len(train) + len(held) == 39
+    assert all(is_heldout(c, 0.25) for c in held)
+    bench = tmp_path / "q.jsonl"  # a Spec-Bench question equal to a conversation's first turn is excluded
+    bench.write_text(json.dumps({"turns": [recs[0]["conversations"][0]["value"].upper() + "!"]}) + "\n")
+    side = "heldout" if is_heldout("c0", 0.25) else "train"
+    assert "c0" not in [c for c, _ in conversations(str(sharegpt_file), side, 0.25, exclude=bench)]
+
+
+def test_features_equal_a_fresh_forward_and_resume(sharegpt_file, tmp_path):
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
+    cfg = FeatureConfig(out=str(tmp_path / "f"), source=str(sharegpt_file), layers="1,2", max_tokens=64,
+                        max_conversations=3, shard_tokens=100)
+    assert collect_features(ss.split, ss.tokenizer, cfg)["conversations"] == 3
+    cfg.max_conversations = 5  # a second run continues after the first three
+    prog = collect_features(ss.split, ss.tokenizer, cfg)
+    assert prog["conversations"] == 5
+    fs = load_features(cfg.out)
+    assert len(fs) == 5 and fs.num_tokens == prog["tokens"]
+    msgs = [m for _, m in conversations(str(sharegpt_file), "train", 0.02)][3]
+    ids, mask = encode_conversation(ss.tokenizer, msgs, 64)
+    seq = fs.sequence(3)
+    assert seq["ids"].tolist() == ids and seq["assistant"].tolist() == mask and any(mask) and not all(mask)
+    with torch.inference_mode():
+        out = ss.model(torch.tensor([ids]), output_hidden_states=True)
+    torch.testing.assert_close(seq["h2"].float(), out.hidden_states[2][0], atol=2e-3, rtol=2e-3)
+    assert seq["label"].tolist() == out.logits[0].argmax(-1).tolist()
+    with pytest.raises(InvalidConfigError, match="other settings"):
+        collect_features(ss.split, ss.tokenizer, FeatureConfig(out=cfg.out, source=str(sharegpt_file), layers="1"))
+
+
+def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_path):
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
+    feats = FeatureConfig(out=str(tmp_path / "f"), source=str(sharegpt_file), layers="2", max_tokens=96)
+    collect_features(ss.split, ss.tokenizer, feats)
+    cfg = DeepTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=2, out=str(tmp_path / "h"),
+                          epochs=6, batch_tokens=400, lr=5e-3, warmup=2, vocab_trim=40)
+    head, report = train_deep_head(ss.split, cfg)
+    assert report["heldout_after"]["top1"] > report["heldout_before"]["top1"] + 0.1
+    assert report["heldout_after"]["ce"] < report["heldout_before"]["ce"]
+    loaded = load_head(cfg.out, ss.split)
+    assert loaded.kind == "deep" and len(loaded.vocab_ids) == 40
+    ss.set_draft(DraftConfig(head=cfg.out, gamma=3, lookup=0))
+    prompt = ss.encode([{"role": "user", "content": "the cat sat on"}])
+    out = ss.generate(prompt, max_new_tokens=20)
+    assert out.token_ids == hf_greedy(ss.model, prompt, 20)
+    assert sum(out.stats.accepted_per_position) > 0
+    # resume: a finished run loads its checkpoint and trains no further steps
+    _, again = train_deep_head(ss.split, cfg)
+    assert again["steps"] == report["steps"] and again["heldout_before"] is None
+    with pytest.raises(InvalidConfigError, match="not stored"):
+        train_deep_head(ss.split, DeepTrainConfig(features=feats.out, heldout_features="", exit_layer=1,
+                                                  out=str(tmp_path / "x")))
