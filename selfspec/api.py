@@ -19,7 +19,7 @@ from selfspec.config import DraftConfig, GenerateConfig, ModelConfig
 from selfspec.costs import DraftCosts, measure_draft_costs
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import CostAwarePolicy, make_policy
-from selfspec.engine import Engine
+from selfspec.engine import MAX_TREE_NODES, Engine
 from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplateError
 from selfspec.heads.base import ExitHead
 from selfspec.heads.io import load_head, new_head, read_head_config
@@ -96,11 +96,14 @@ class SelfSpec:
         if draft.lookup < 0 or draft.lookup_ngram < 2:
             raise InvalidConfigError(f"lookup must be >= 0 and lookup_ngram >= 2, got {draft.lookup}, "
                                      f"{draft.lookup_ngram}")
+        if draft.tree_width < 0:
+            raise InvalidConfigError(f"tree_width must be >= 0, got {draft.tree_width}")
         if gamma is None:
             costs = self.draft_costs(head, draft)
-            policy = CostAwarePolicy(policy, costs)
+            tree_costs = replace(costs, tree_width=draft.tree_width) if draft.tree_width > 1 else costs
+            policy = CostAwarePolicy(policy, tree_costs)
             lookup_policy = CostAwarePolicy(make_policy("fixed"), costs.for_lookup(), prior=LOOKUP_PRIOR)
-            gamma = MAX_AUTO_GAMMA
+            gamma = MAX_AUTO_GAMMA if draft.tree_width <= 1 else max(1, min(MAX_AUTO_GAMMA, (MAX_TREE_NODES - 1) // draft.tree_width))
         drafter = EarlyExitDrafter(self.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy)
         self.engine = Engine(self.split, drafter, gamma=gamma, tree_width=draft.tree_width)
         self.draft_config = replace(draft, exit_layer=head.exit_layer)

@@ -93,13 +93,21 @@ class DraftCosts:
     t_head: float  # exit head, one token
     t_deep: dict[int, float] = field(default_factory=dict)  # n -> layers [k, L) + LM head for n tokens
     t_shallow_block: dict[int, float] = field(default_factory=dict)  # n -> layers [0, k) for n tokens at once
+    tree_width: int = 1  # > 1: rounds draft token trees of this many nodes per depth (drafting.tree)
 
     @property
     def t_plain(self) -> float:
         return self.t_shallow + self.t_deep[1]
 
     def round_cost(self, g: int) -> float:
-        return g * (self.t_shallow + self.t_head) + self.t_shallow + self.deep(g + 1)
+        """One round of g drafts (a chain), or of a tree g levels deep: each level's ``tree_width`` nodes
+        take one shallow block and one head call (the head's few rows cost about one row: its weights
+        are read once), and the deep layers verify all 1 + width * g nodes at once."""
+        w = self.tree_width
+        if w <= 1:
+            return g * (self.t_shallow + self.t_head) + self.t_shallow + self.deep(g + 1)
+        level = _interpolate(self.t_shallow_block or {1: self.t_shallow}, w) + self.t_head
+        return g * level + self.t_shallow + self.t_head + self.deep(1 + w * g)
 
     def deep(self, n: int) -> float:
         """t_deep(n), interpolated linearly between measured block sizes."""
@@ -127,7 +135,7 @@ def _interpolate(table: dict[int, float], n: int) -> float:
     return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
 
 
-def measure_draft_costs(split: SplitModel, head, context: int = 256, block_sizes: tuple[int, ...] = (1, 2, 4, 8),
+def measure_draft_costs(split: SplitModel, head, context: int = 256, block_sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
                         reps: int = 6) -> DraftCosts:
     """Measure what the economics need for ``head`` at its exit layer (a second or two)."""
     k, L = head.exit_layer, split.num_layers
