@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .install.stamp
 
-.PHONY: install demo test lint bench-quick train-default clean
+.PHONY: install demo test lint bench-quick train-default train-deep clean
 
 $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
@@ -33,6 +33,17 @@ bench-quick: install
 train-default: install
 	$(PYTHON) -m selfspec.cli train --threads 2 --exit-layer 4 --kind layer --epochs 6 --ce-weight 0.5 \
 		--vocab-trim 4096 --data runs/distill-data.jsonl --out selfspec/assets/heads/SmolLM2-135M-Instruct
+
+# The deep-context head's recipe (docs/TRAINING.md): ~45 min on 2 CPU cores. Held-out features (80
+# conversations), 28 min of training features from ShareGPT (minus Spec-Bench), 15 min of training.
+# Every step resumes where a killed run stopped.
+SPECBENCH ?= ../shared/specbench/question.jsonl
+train-deep: install
+	$(PIP) install -q -e ".[train]"
+	$(PYTHON) -m selfspec collect-features --threads 2 --split heldout --max-conversations 80 \
+		--exclude $(SPECBENCH) --out runs/features/heldout
+	$(PYTHON) -m selfspec collect-features --threads 2 --minutes 28 --exclude $(SPECBENCH) --out runs/features/train
+	$(PYTHON) -m selfspec train-deep --threads 2 --exit-layer 2 --epochs 3 --minutes 15 --out runs/deep-k2
 
 clean:
 	rm -f $(STAMP)

@@ -122,3 +122,17 @@ def _joint(verify, seed: int) -> float:
 def test_tree_sampling_keeps_the_target_distribution():
     assert _joint(tree_sample_verify, 0) < BOUND
     assert _joint(_wrong_verify, 1) > 2 * BOUND  # the test can fail
+
+
+def test_tree_round_cost_prices_every_node():
+    from dataclasses import replace
+
+    from selfspec.costs import DraftCosts
+
+    chain = DraftCosts(2, t_shallow=1.0, t_head=1.0, t_deep={1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0, 16: 25.0},
+                       t_shallow_block={1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7, 16: 2.5})
+    tree = replace(chain, tree_width=3)
+    assert chain.round_cost(3) == 3 * 2.0 + 1.0 + 13.0
+    # 3 levels of 3 nodes: a shallow block of 3 and a head call each, then 10 nodes verified at once
+    assert tree.round_cost(3) == pytest.approx(3 * (1.2 + 1.0) + 1.0 + 1.0 + (17.0 + 8.0 * 2 / 8))
+    assert tree.round_cost(3) > chain.round_cost(3)

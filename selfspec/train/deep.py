@@ -16,7 +16,6 @@ the second draft token on. Resumable (checkpoint + fixed batch order), time-boxe
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -33,6 +32,7 @@ from selfspec.heads.io import new_head, save_head
 from selfspec.models.split import SplitModel
 from selfspec.progress import progress
 from selfspec.train.features import FeatureSet, load_features
+from selfspec.train.trainer import cosine_lr
 
 
 @dataclass
@@ -152,13 +152,6 @@ def evaluate_deep(head: DeepContextHead, lm_rows: torch.Tensor, fs: FeatureSet, 
     return out | {"tokens": n, "label_in_vocab": share}
 
 
-def _lr(step: int, total: int, cfg: DeepTrainConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(1, total - cfg.warmup)
-    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-
-
 def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContextHead, dict[str, Any]]:
     key = f"h{cfg.exit_layer}"
     train = load_features(cfg.features, [key, "final"], cfg.max_tokens)
@@ -198,7 +191,7 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
         epoch, within = divmod(step, per_epoch)
         idx = _batches(train, cfg.batch_tokens, cfg.seed, epoch)[within]
         for g in opt.param_groups:
-            g["lr"] = _lr(step, total, cfg)
+            g["lr"] = cosine_lr(step, total, cfg.lr, cfg.warmup, floor=0.05)
         loss, m = deep_loss(head, lm_rows, _collate(train, idx, cfg.exit_layer, label_map, cfg.assistant_only), cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -135,11 +135,12 @@ def evaluate(head: ExitHead, feats: list[Features], cfg: TrainConfig) -> dict[st
     return {k: v / max(n, 1) for k, v in tot.items()} | {"tokens": n}
 
 
-def _lr(step: int, total: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(1, total - cfg.warmup)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+def cosine_lr(step: int, total: int, lr: float, warmup: int, floor: float = 0.0) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``floor * lr`` at ``total``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = min((step - warmup) / max(1, total - warmup), 1.0)
+    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def _save_checkpoint(path: Path, head: ExitHead, opt: torch.optim.Optimizer, step: int, history: list) -> None:
@@ -185,7 +186,7 @@ def train_head(split: SplitModel, seqs: list[dict[str, list[int]]], cfg: TrainCo
         order = torch.randperm(len(train_f), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch)).tolist()
         batch = [train_f[i] for i in order[within * cfg.batch_size : (within + 1) * cfg.batch_size]]
         for g in opt.param_groups:
-            g["lr"] = _lr(step, total, cfg)
+            g["lr"] = cosine_lr(step, total, cfg.lr, cfg.warmup)
         loss, m = head_loss(head, batch, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
