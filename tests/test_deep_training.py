@@ -94,6 +94,10 @@ def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_pat
     # resume: a finished run loads its checkpoint and trains no further steps
     _, again = train_deep_head(ss.split, cfg)
     assert again["steps"] == report["steps"] and again["heldout_before"] is None
+    # fine-tuning starts where the trained head ended
+    tuned = DeepTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "t"), "init": cfg.out, "epochs": 1})
+    _, rep2 = train_deep_head(ss.split, tuned)
+    assert rep2["heldout_before"]["top1"] > report["heldout_after"]["top1"] - 0.05
     with pytest.raises(InvalidConfigError, match="not stored"):
         train_deep_head(ss.split, DeepTrainConfig(features=feats.out, heldout_features="", exit_layer=1,
                                                   out=str(tmp_path / "x")))

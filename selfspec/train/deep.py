@@ -55,6 +55,7 @@ class DeepTrainConfig:
     max_tokens: int = opt(0, "Use at most this many training tokens (0: all stored).")
     minutes: float = opt(0.0, "Stop training after this many minutes (0: no limit); the head is saved either way.")
     seed: int = opt(0, "Seed of the batch order and the head's initialization.")
+    init: str = opt("", "Start from this trained deep head's weights (fine-tuning) instead of the target's layer k.")
     checkpoint_every: int = opt(100, "Write a checkpoint every this many steps.")
     resume: bool = opt(True, "Continue from <out>.checkpoint.pt when it exists.")
 
@@ -164,6 +165,13 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
     torch.manual_seed(cfg.seed)
     head = new_head("deep", split, cfg.exit_layer)
     head.init_from_target()
+    if cfg.init:
+        from selfspec.heads.io import load_head
+
+        start = load_head(cfg.init, split, cfg.exit_layer)
+        if start.kind != "deep":
+            raise InvalidConfigError(f"--init '{cfg.init}' is a '{start.kind}' head, not a deep one")
+        head.load_state_dict({k: v for k, v in start.state_dict().items() if k != "vocab_ids"}, strict=False)
     head.float().train().requires_grad_(True)
     labels = train.tensors["label"].long()
     vocab_ids, label_map = None, None
