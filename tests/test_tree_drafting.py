@@ -136,3 +136,12 @@ def test_tree_round_cost_prices_every_node():
     # 3 levels of 3 nodes: a shallow block of 3 and a head call each, then 10 nodes verified at once
     assert tree.round_cost(3) == pytest.approx(3 * (1.2 + 1.0) + 1.0 + 1.0 + (17.0 + 8.0 * 2 / 8))
     assert tree.round_cost(3) > chain.round_cost(3)
+
+
+def test_tree_sampling_through_the_engine_is_seeded():
+    ss, _ = deep_ss("llama", 2, gamma=3, lookup=4)
+    ss.engine.tree_width = 3
+    prompt = prompt_of(6, 3) * 2
+    runs = [ss.generate(prompt, max_new_tokens=NEW, temperature=0.9, seed=s).token_ids for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and len(runs[0]) == NEW
+    assert runs[0] != runs[2]
