@@ -71,10 +71,7 @@ class EarlyExitDrafter:
         """Draft logits ``# [vocab]`` for the token after position ``pos`` and the predicted final state
         ``# [1, 1, hidden]`` there. ``f_prev``: the predicted final state of ``pos - 1`` when that token
         is itself a draft (None: it is verified, its true final state is stored)."""
-        start = self.head.seen(seq.head_state)
-        if seq.head_backlog is not None and seq.head_backlog.shape[1] > 0:
-            h = torch.cat([seq.head_backlog, h], dim=1)
-        seq.head_backlog = None
+        start, h = self._with_backlog(seq, h)
         n = h.shape[1]
         ctx = seq.extras["finals"][start : start + n].unsqueeze(0)  # [1, n, hidden]: positions start - 1 ...
         if f_prev is not None:
@@ -86,19 +83,27 @@ class EarlyExitDrafter:
     def _head_logits(self, seq: SequenceState, h: torch.Tensor, pos: int) -> torch.Tensor:  # -> [vocab]
         if not self.head.stateful:
             return self.head(h, seq.positions(pos, 1))[0, -1]
+        start, h = self._with_backlog(seq, h)
+        return self.head(h, seq.positions(start, h.shape[1]), seq.head_state)[0, -1]
+
+    def _with_backlog(self, seq: SequenceState, h: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(first position, exit states) a stateful head consumes next: the backlog it has not seen, then ``h``."""
         if seq.head_backlog is not None and seq.head_backlog.shape[1] > 0:
             h = torch.cat([seq.head_backlog, h], dim=1)
         seq.head_backlog = None
-        start = self.head.seen(seq.head_state)
-        return self.head(h, seq.positions(start, h.shape[1]), seq.head_state)[0, -1]
+        return self.head.seen(seq.head_state), h
 
-    def _lookup(self, seq: SequenceState, limit: int) -> DraftBlock | None:
-        """A block of lookup drafts, or None when the last n-gram has no earlier occurrence."""
+    def _ngram_index(self, seq: SequenceState) -> NgramIndex:
+        """The sequence's n-gram index (rebuilt when its token list was replaced)."""
         index = seq.extras.get("ngram")
         if index is None or index.tokens is not seq.tokens:
             index = seq.extras["ngram"] = NgramIndex(seq.tokens, self.lookup_ngram)
+        return index
+
+    def _lookup(self, seq: SequenceState, limit: int) -> DraftBlock | None:
+        """A block of lookup drafts, or None when the last n-gram has no earlier occurrence."""
         g = min(limit, self.lookup_policy.max_drafts(self.lookup))
-        drafts = index.continuation(g)
+        drafts = self._ngram_index(seq).continuation(g)
         if not drafts:
             return None
         split, p = self.split, seq.length
@@ -188,10 +193,7 @@ class EarlyExitDrafter:
                 logits_new = head(h, pos)[0]
                 frontier = [(r, logits_new[j], None) for j, r in enumerate(rows)]
         if self.lookup > 0 and seq.tokens:
-            index = seq.extras.get("ngram")
-            if index is None or index.tokens is not seq.tokens:
-                index = seq.extras["ngram"] = NgramIndex(seq.tokens, self.lookup_ngram)
-            rows = tree.insert_chain(index.continuation(min(limit, self.lookup)))
+            rows = tree.insert_chain(self._ngram_index(seq).continuation(min(limit, self.lookup)))
             if rows:
                 new_ids = torch.tensor([[tree.tokens[i] for i in rows]], dtype=torch.long, device=dev)
                 states.append(split.run_layers(split.embed(new_ids), 0, k, tree.positions(rows, p, dev), seq.cache,

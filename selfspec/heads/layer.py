@@ -19,7 +19,7 @@ from selfspec.heads.base import CachedHead
 from selfspec.heads.kangaroo import RMSNorm
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Rotary
-from selfspec.models.split import SplitModel, TreeAttention, causal_mask
+from selfspec.models.split import SplitModel, TreeAttention, block_mask, causal_mask
 
 
 class DecoderLayerHead(CachedHead):
@@ -57,9 +57,7 @@ class DecoderLayerHead(CachedHead):
         rot = split.rotary_emb(h, positions, self._kind) if split._rotary_by_type else split.rotary_emb(h, positions)
         n = h.shape[1]
         if state is not None:
-            kv_len = state.lengths[0] + n
-            mask = (causal_mask(n, kv_len, self._window, h.device) if tree is None
-                    else tree.full_mask(kv_len, self._window))
+            mask = block_mask(n, state.lengths[0] + n, self._window, h.device, tree)
             fast = self._fast_block()
             if fast is not None:
                 start = state.reserve(0, n)

@@ -74,17 +74,18 @@ class KVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]
 
-    def compact(self, start: int, keep: list[int], layers: range | None = None) -> None:
+    def compact(self, start: int, keep: list[int]) -> None:
         """After a token tree was verified: the entries of the accepted nodes ``keep`` (indices after
-        ``start``, increasing: a root-to-leaf path) move to start, start + 1, ...; each layer's length
+        ``start``, increasing: a root-to-leaf path) move to start, start + 1, ...; every layer's length
         becomes start + len(keep). Worked example: nodes [x, a, b, c] with c's parent a, accept x, a, c:
         keep [0, 1, 3] -> rows start + 3 move to start + 2."""
-        for i in layers if layers is not None else range(len(self.keys)):
-            for j, src in enumerate(keep):
-                if src != j:
-                    self.keys[i][:, :, start + j] = self.keys[i][:, :, start + src]
-                    self.values[i][:, :, start + j] = self.values[i][:, :, start + src]
-            self.lengths[i] = start + len(keep)
+        n = len(keep)
+        if keep != list(range(n)):  # a path that is not already in place: one gather per buffer
+            src = torch.tensor(keep, device=self.keys[0].device) + start
+            for buf in (self.keys, self.values):
+                for t in buf:
+                    t[:, :, start : start + n] = t[:, :, src]
+        self.lengths = [start + n] * len(self.lengths)
 
     def truncate(self, length: int) -> None:
         """Roll every layer back to at most ``length`` tokens (the accepted length)."""

@@ -127,8 +127,7 @@ class SplitModel:
                     tables[kind] = Rotary(*rotary[kind])
             key = (cache.lengths[i] + n, self.windows[i])
             if key not in masks:
-                masks[key] = (causal_mask(n, key[0], key[1], h.device) if tree is None
-                              else tree.full_mask(key[0], key[1]))
+                masks[key] = block_mask(n, key[0], key[1], h.device, tree)
             if self.fast_layers:
                 start_i = cache.reserve(i, n)
                 self.fast_layers[i].forward(h, tables[kind], masks[key], cache.keys[i], cache.values[i], start_i,
@@ -174,6 +173,11 @@ def causal_mask(q_len: int, kv_len: int, window: int | None, device: torch.devic
         mask &= k_pos > q_pos - window
     return mask[None, None]
 
+
+def block_mask(q_len: int, kv_len: int, window: int | None, device: torch.device | str,
+               tree: TreeAttention | None) -> torch.Tensor | None:
+    """The mask of ``q_len`` new rows at the end of a ``kv_len``-long cache: causal, or ``tree``'s."""
+    return causal_mask(q_len, kv_len, window, device) if tree is None else tree.full_mask(kv_len, window)
 
 
 @dataclass

@@ -57,12 +57,20 @@ def eval_draft(ss: Any, prompts: list[Any], max_new_tokens: int) -> dict[str, An
     }
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def load_target(args: argparse.Namespace, exit_layer: int | None = 1) -> Any:
+    """The target for a training command: ModelConfig from ``args``, the untrained exit, a fixed gamma
+    (no draft costs are measured: these commands never decode speculatively)."""
     from selfspec.api import SelfSpec
     from selfspec.cli import config_from_args
 
-    mcfg, cfg = config_from_args(args, ModelConfig), config_from_args(args, TrainConfig)
-    ss = SelfSpec.load(mcfg, DraftConfig(head="lm", exit_layer=cfg.exit_layer))
+    return SelfSpec.load(config_from_args(args, ModelConfig), DraftConfig(head="lm", exit_layer=exit_layer, gamma=1))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from selfspec.cli import config_from_args
+
+    cfg = config_from_args(args, TrainConfig)
+    ss = load_target(args, cfg.exit_layer)
     data = Path(cfg.data or Path(cfg.out).with_name(Path(cfg.out).name + "-data.jsonl"))
     seqs = read_sequences(data)
     if len(seqs) < cfg.num_prompts:

@@ -194,10 +194,13 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
     before = evaluate_deep(head, lm_rows, held, cfg, label_map) if held is not None and step == 0 else None
     bar = progress(total=total, initial=step, desc=f"train deep head @ layer {cfg.exit_layer}", unit="step")
     t0, seen = time.perf_counter(), 0
+    order: tuple[int, list[list[int]]] = (-1, [])
     budget = cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
     while step < total and time.perf_counter() - t0 < budget:
         epoch, within = divmod(step, per_epoch)
-        idx = _batches(train, cfg.batch_tokens, cfg.seed, epoch)[within]
+        if epoch != order[0]:  # the epoch's batch order, drawn once
+            order = (epoch, _batches(train, cfg.batch_tokens, cfg.seed, epoch))
+        idx = order[1][within]
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, total, cfg.lr, cfg.warmup, floor=0.05)
         loss, m = deep_loss(head, lm_rows, _collate(train, idx, cfg.exit_layer, label_map, cfg.assistant_only), cfg)
@@ -240,11 +243,10 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_train_deep(args: Any) -> int:
-    from selfspec.api import SelfSpec
     from selfspec.cli import config_from_args
-    from selfspec.config import DraftConfig, ModelConfig
+    from selfspec.train.cli import load_target
 
-    ss = SelfSpec.load(config_from_args(args, ModelConfig), DraftConfig(head="lm", exit_layer=1))
+    ss = load_target(args)
     _, report = train_deep_head(ss.split, config_from_args(args, DeepTrainConfig))
     print(json.dumps({k: report[k] for k in ("steps", "seconds", "heldout_before", "heldout_after")}, indent=2))
     return 0

@@ -210,11 +210,10 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_collect_features(args: Any) -> int:
-    from selfspec.api import SelfSpec
     from selfspec.cli import config_from_args
-    from selfspec.config import DraftConfig, ModelConfig
+    from selfspec.train.cli import load_target
 
-    ss = SelfSpec.load(config_from_args(args, ModelConfig), DraftConfig(head="lm", exit_layer=1))
+    ss = load_target(args)
     prog = collect_features(ss.split, ss.tokenizer, config_from_args(args, FeatureConfig))
     print(json.dumps(prog, indent=1))
     return 0

@@ -176,13 +176,12 @@ def plot_acceptance(results: dict[str, dict[str, Any]], path: str | Path, points
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from selfspec.api import SelfSpec
     from selfspec.cli import config_from_args
-    from selfspec.config import DraftConfig
+    from selfspec.train.cli import load_target
     from selfspec.train.data import read_sequences
 
     cfg = config_from_args(args, SweepConfig)
-    ss = SelfSpec.load(config_from_args(args, ModelConfig), DraftConfig(head="lm"))
+    ss = load_target(args, None)
     seqs = read_sequences(cfg.data)[: cfg.num_seqs]
     if not seqs:
         from selfspec.errors import ModelNotFoundError
