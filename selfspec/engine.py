@@ -147,8 +147,8 @@ class Engine:
         seq.cache.compact(p, keep)
         seq.length, seq.pending = p + 1 + m, nxt
         path = DraftBlock([tree.tokens[i] for i in keep[1:]], None, block.exit_states[:, keep], start=p)
-        drafter.accepted(seq, path, m, h[:, keep])
-        stats.record_step(max(tree.depths), m, "early_exit")
+        drafter.accepted(seq, path, m, h[:, keep], proposed=depth)
+        stats.record_step(depth, m, "early_exit")
         out = path.tokens + [nxt]
         seq.tokens.extend(out)
         return out

@@ -145,3 +145,18 @@ def test_tree_sampling_through_the_engine_is_seeded():
     runs = [ss.generate(prompt, max_new_tokens=NEW, temperature=0.9, seed=s).token_ids for s in (7, 7, 8)]
     assert runs[0] == runs[1] and len(runs[0]) == NEW
     assert runs[0] != runs[2]
+
+
+def test_tree_rounds_teach_the_policy_the_drafted_depth():
+    """The policy learns from the depth each tree was drafted to, not from the accepted path's length
+    (which would read as every draft accepted)."""
+    ss, _ = deep_ss("llama", 2, gamma=3)
+    ss.engine.tree_width = 2
+    seen = []
+    policy = ss.engine.drafter.policy
+    inner = policy.observe
+    policy.observe = lambda proposed, accepted: (seen.append((proposed, accepted)), inner(proposed, accepted))
+    out = ss.generate(prompt_of(5, 9), max_new_tokens=NEW)
+    assert seen and seen[0][0] == 3 and all(p <= 3 for p, _ in seen)  # the end is cut by max_new_tokens
+    assert any(a < p for p, a in seen)  # with the path length as "proposed" every round would read a == p
+    assert out.stats.proposed_per_position[0] == sum(p > 0 for p, _ in seen)  # stats count the same rounds

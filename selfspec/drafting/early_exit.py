@@ -201,11 +201,13 @@ class EarlyExitDrafter:
         return DraftBlock(tree.tokens[1:], None, torch.cat(states, dim=1), start=p, source="tree", tree=tree)
 
     def accepted(self, seq: SequenceState, block: DraftBlock, num_accepted: int,
-                 final_states: torch.Tensor | None = None) -> None:
+                 final_states: torch.Tensor | None = None, proposed: int | None = None) -> None:
         """``seq`` now holds ``seq.length`` final tokens; bring the head's state in line with it.
-        ``final_states`` ``# [1, g + 1, hidden]``: the verification's last-layer states of the block."""
+        ``final_states`` ``# [1, g + 1, hidden]``: the verification's last-layer states of the block.
+        ``proposed``: the draft length the policy learns from (default: the block's tokens; a tree's
+        accepted path passes the depth the tree was drafted to)."""
         policy = self.lookup_policy if block.source == "lookup" else self.policy
-        policy.observe(len(block.tokens), num_accepted)
+        policy.observe(len(block.tokens) if proposed is None else proposed, num_accepted)
         if self.head.needs_context:
             self._store_finals(seq, block.start, final_states[0, : num_accepted + 1])
         if not self.head.stateful:
