@@ -110,11 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_quick(sub)
     add_forward(sub)
     add_bench(sub)
+    from selfspec.train.answers import add_parser as add_answers
     from selfspec.train.cli import add_parsers as add_train
     from selfspec.train.deep import add_parser as add_train_deep
     from selfspec.train.features import add_parser as add_features
 
     add_train(sub)
+    add_answers(sub)
     add_features(sub)
     add_train_deep(sub)
     from selfspec.server.app import add_parser as add_serve

@@ -94,6 +94,7 @@ def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_pat
     # resume: a finished run loads its checkpoint and trains no further steps
     _, again = train_deep_head(ss.split, cfg)
     assert again["steps"] == report["steps"] and again["heldout_before"] is None
+    assert list(report["heldout_sets"]) == [feats.out] and report["heldout_sets"][feats.out]["after"] == report["heldout_after"]
     # fine-tuning starts where the trained head ended
     tuned = DeepTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "t"), "init": cfg.out, "epochs": 1})
     _, rep2 = train_deep_head(ss.split, tuned)
@@ -101,3 +102,29 @@ def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_pat
     with pytest.raises(InvalidConfigError, match="not stored"):
         train_deep_head(ss.split, DeepTrainConfig(features=feats.out, heldout_features="", exit_layer=1,
                                                   out=str(tmp_path / "x")))
+
+
+def test_answer_prompts_are_the_targets_greedy_answers_and_resume(sharegpt_file, tmp_path):
+    from selfspec.train.answers import AnswerConfig, answer_prompts
+
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
+    out = tmp_path / "own.json"
+    cfg = AnswerConfig(out=str(out), source=str(sharegpt_file), max_new_tokens=8, batch_size=1, max_conversations=2)
+    first = list(iter_records(out)) if answer_prompts(ss, cfg)["answers"] == 2 else None
+    report = answer_prompts(ss, AnswerConfig(**{**cfg.__dict__, "max_conversations": 4, "batch_size": 2}))
+    recs = list(iter_records(out))
+    assert report["answers"] == 4 and recs[:2] == first  # resumed: the first two kept, two more appended
+    assert json.loads(out.read_text()) == recs  # a complete run leaves valid JSON
+    train = dict(conversations(str(sharegpt_file), "train", 0.02))
+    for rec in recs:
+        prompt = rec["conversations"][0]["value"]
+        assert prompt == train[rec["id"]][0]["content"]  # same id, same side of the split
+        ref = hf_greedy(ss.model, ss.encode([{"role": "user", "content": prompt}]), 8, ss.eos_token_ids)
+        assert rec["conversations"][1]["value"] == ss.tokenizer.decode([t for t in ref if t not in ss.eos_token_ids])
+    # collect-features reads the file like ShareGPT itself
+    feats = collect_features(ss.split, ss.tokenizer, FeatureConfig(out=str(tmp_path / "f"), source=str(out), layers="1"))
+    assert feats["conversations"] == 4
+    one = load_features(tmp_path / "f")
+    both = load_features(f"{tmp_path / 'f'}, {tmp_path / 'f'}")  # comma-separated directories: their union
+    assert both.num_tokens == 2 * one.num_tokens and len(both) == 2 * len(one)
+    assert torch.equal(both.sequence(len(one))["ids"], one.sequence(0)["ids"])

@@ -39,8 +39,10 @@ from selfspec.train.trainer import cosine_lr
 class DeepTrainConfig:
     """Settings of ``selfspec train-deep``."""
 
-    features: str = opt("runs/features/train", "Training feature shards (selfspec collect-features).")
-    heldout_features: str = opt("runs/features/heldout", "Held-out feature shards (other conversations), for evaluation.")
+    features: str = opt("runs/features/train", "Training feature shards (selfspec collect-features); several "
+                        "directories, comma-separated, are used together.")
+    heldout_features: str = opt("runs/features/heldout", "Held-out feature shards (other conversations), for "
+                                "evaluation; several directories, comma-separated, are each evaluated.")
     exit_layer: int = opt(2, "Exit layer k: the head reads h_k (must be one of the stored layers).")
     out: str = opt("runs/deep-head", "Output directory of the trained head.")
     epochs: float = opt(2.0, "Passes over the training tokens (fractions allowed).")
@@ -159,7 +161,7 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
     if key not in train.tensors:
         stored = sorted(k for k in train.tensors if k.startswith("h"))
         raise InvalidConfigError(f"exit layer {cfg.exit_layer} is not stored in {cfg.features} (stored: {stored})")
-    held = load_features(cfg.heldout_features, [key, "final"]) if cfg.heldout_features else None
+    held_sets = {d.strip(): load_features(d.strip(), [key, "final"]) for d in cfg.heldout_features.split(",") if d.strip()}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -191,7 +193,8 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, history = state["step"], state["history"]
-    before = evaluate_deep(head, lm_rows, held, cfg, label_map) if held is not None and step == 0 else None
+    before = ({d: evaluate_deep(head, lm_rows, fs, cfg, label_map) for d, fs in held_sets.items()}
+              if step == 0 else {})
     bar = progress(total=total, initial=step, desc=f"train deep head @ layer {cfg.exit_layer}", unit="step")
     t0, seen = time.perf_counter(), 0
     order: tuple[int, list[list[int]]] = (-1, [])
@@ -220,9 +223,11 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
             os.replace(tmp, ckpt)
     bar.close()
     head.eval().requires_grad_(False)
-    after = evaluate_deep(head, lm_rows, held, cfg, label_map) if held is not None else None
+    after = {d: evaluate_deep(head, lm_rows, fs, cfg, label_map) for d, fs in held_sets.items()}
+    first = next(iter(held_sets), None)  # heldout_before / _after: the first set; heldout_sets: every one
     report = {"config": asdict(cfg), "steps": step, "total_steps": total, "train_tokens": train.num_tokens,
-              "train_conversations": len(train), "heldout_before": before, "heldout_after": after,
+              "train_conversations": len(train), "heldout_before": before.get(first), "heldout_after": after.get(first),
+              "heldout_sets": {d: {"before": before.get(d), "after": after[d]} for d in held_sets},
               "seconds": round(time.perf_counter() - t0, 1)}
     head.to(dtype=split.dtype)
     if vocab_ids is not None:
@@ -248,5 +253,5 @@ def cmd_train_deep(args: Any) -> int:
 
     ss = load_target(args)
     _, report = train_deep_head(ss.split, config_from_args(args, DeepTrainConfig))
-    print(json.dumps({k: report[k] for k in ("steps", "seconds", "heldout_before", "heldout_after")}, indent=2))
+    print(json.dumps({k: report[k] for k in ("steps", "seconds", "heldout_sets")}, indent=2))
     return 0

@@ -181,10 +181,15 @@ class FeatureSet:
 
 
 def load_features(path: str | Path, keys: list[str] | None = None, max_tokens: int = 0) -> FeatureSet:
-    """Shards of ``path`` (only ``keys`` of the state tensors, when given), up to ``max_tokens`` tokens."""
-    shards = sorted(Path(path).glob("shard-*.safetensors"))
-    if not shards:
-        raise InvalidConfigError(f"no feature shards in '{path}' (run `selfspec collect-features` first)")
+    """Shards of ``path`` (only ``keys`` of the state tensors, when given), up to ``max_tokens`` tokens.
+    ``path`` may name several directories, comma-separated: their union, in that order."""
+    dirs = [d.strip() for d in str(path).split(",") if d.strip()]
+    shards = []
+    for d in dirs:
+        found = sorted(Path(d).glob("shard-*.safetensors"))
+        if not found:
+            raise InvalidConfigError(f"no feature shards in '{d}' (run `selfspec collect-features` first)")
+        shards += found
     cols: dict[str, list[torch.Tensor]] = {}
     offsets, base = [torch.zeros(1, dtype=torch.int64)], 0
     for s in shards:

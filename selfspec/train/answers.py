@@ -1,0 +1,117 @@
+"""``selfspec answer-prompts``: the target's own greedy answers to ShareGPT first turns, written as a
+ShareGPT-format JSON file that ``collect-features --source FILE`` reads like the original.
+
+Why: a head trained on ChatGPT's answers sees text the target would not write. Its labels are the
+target's own argmax, but the context is someone else's, and on the target's own answers (what it
+drafts at run time) it agrees less (see docs/TRAINING.md). Teacher-forcing the target's own greedy
+text fixes the context: there the label at each position is simply the next token of the text.
+
+Each record keeps its conversation's ShareGPT id, so the stable train / held-out split by id puts it
+on the same side as the conversation it answers. The file is a JSON array written record by record
+and left open until the run ends; :func:`selfspec.train.sharegpt.iter_records` reads a cut-off file,
+so a killed run resumes after the last complete record.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from selfspec.config import opt
+from selfspec.progress import progress
+from selfspec.train.sharegpt import conversations, iter_records
+
+
+@dataclass
+class AnswerConfig:
+    """Settings of ``selfspec answer-prompts``."""
+
+    out: str = opt("runs/own-answers.json", "Output ShareGPT-format JSON file (appended to; rerun to resume).")
+    source: str = opt("sharegpt", "Conversations whose first user turn is answered: 'sharegpt' or a ShareGPT JSON file.")
+    split: str = opt("train", "Side of the stable split by conversation id: 'train' or 'heldout'.", choices=["train", "heldout"])
+    heldout: float = opt(0.02, "Share of conversations on the held-out side.")
+    exclude: str = opt("", "Spec-Bench question.jsonl: conversations whose first turn matches a question are dropped.")
+    skip: int = opt(0, "Skip this many conversations of the split first (e.g. those already used as ChatGPT text).")
+    max_conversations: int = opt(0, "Answer at most this many (0: no limit).")
+    max_prompt_chars: int = opt(1500, "Longest first turn, in characters (longer ones are cut).")
+    max_new_tokens: int = opt(256, "Longest answer, in tokens (greedy).")
+    batch_size: int = opt(32, "Prompts per batched generate call (left padded, sorted by length).")
+    minutes: float = opt(0.0, "Stop after this many minutes (0: no limit); rerun to continue.")
+
+
+def _write(f: Any, rec: dict[str, Any], first: bool) -> None:
+    f.write(("[\n" if first else ",\n") + json.dumps(rec, ensure_ascii=False))
+    f.flush()
+
+
+def answer_prompts(ss: Any, cfg: AnswerConfig) -> dict[str, Any]:
+    """Append the target's greedy answers for ``cfg`` to ``cfg.out``; returns a summary."""
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = list(iter_records(out)) if out.is_file() else []
+    with open(out, "w", encoding="utf-8") as f:  # rewrite the complete records (drops a torn last one)
+        for i, rec in enumerate(done):
+            _write(f, rec, i == 0)
+    seen = {r["id"] for r in done}
+    todo = []
+    convs = islice(conversations(cfg.source, cfg.split, cfg.heldout, cfg.exclude or None, 2), cfg.skip, None)
+    for cid, msgs in convs:
+        if cfg.max_conversations and len(done) + len(todo) >= cfg.max_conversations:
+            break
+        if cid not in seen:
+            todo.append((cid, msgs[0]["content"][: cfg.max_prompt_chars]))
+    encoded = [(cid, p, ss.encode([{"role": "user", "content": p}])) for cid, p in todo]
+    pad = ss.tokenizer.pad_token_id if ss.tokenizer.pad_token_id is not None else ss.eos_token_ids[0]
+    eos = set(ss.eos_token_ids)
+    t0, budget = time.perf_counter(), cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
+    tokens = 0
+    bar = progress(total=len(done) + len(encoded), initial=len(done), desc="own answers", unit="prompt")
+    with open(out, "a", encoding="utf-8") as f, torch.inference_mode():
+        for b in range(0, len(encoded), cfg.batch_size):
+            if time.perf_counter() - t0 > budget:
+                break
+            # Within a batch, similar lengths: less padding. The batches keep file order.
+            batch = sorted(encoded[b : b + cfg.batch_size], key=lambda e: len(e[2]))
+            width = max(len(e[2]) for e in batch)
+            ids = torch.tensor([[pad] * (width - len(e[2])) + e[2] for e in batch], device=ss.split.device)
+            mask = torch.tensor([[0] * (width - len(e[2])) + [1] * len(e[2]) for e in batch], device=ss.split.device)
+            gen = ss.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=cfg.max_new_tokens,
+                                    pad_token_id=pad, top_k=None, top_p=None, temperature=None)
+            for (cid, prompt, _), row in zip(batch, gen[:, width:].tolist()):
+                row = row[: next((i for i, t in enumerate(row) if t in eos), len(row))]
+                tokens += len(row)
+                rec = {"id": cid, "conversations": [{"from": "human", "value": prompt},
+                                                    {"from": "gpt", "value": ss.tokenizer.decode(row)}]}
+                _write(f, rec, not done)
+                done.append(rec)
+            bar.update(len(batch))
+        f.write("\n]\n" if done else "[]\n")
+    bar.close()
+    seconds = time.perf_counter() - t0
+    return {"answers": len(done), "new_tokens": tokens, "seconds": round(seconds, 1),
+            "tokens_per_second": round(tokens / seconds, 1) if seconds else 0.0, "config": asdict(cfg)}
+
+
+def add_parser(sub: Any) -> None:
+    from selfspec.cli import add_config_args
+    from selfspec.config import ModelConfig
+
+    p = sub.add_parser("answer-prompts", help="The target's own greedy answers to ShareGPT prompts (training text).")
+    add_config_args(p, ModelConfig)
+    add_config_args(p, AnswerConfig)
+    p.set_defaults(func=cmd_answer_prompts)
+
+
+def cmd_answer_prompts(args: Any) -> int:
+    from selfspec.cli import config_from_args
+    from selfspec.train.cli import load_target
+
+    report = answer_prompts(load_target(args), config_from_args(args, AnswerConfig))
+    print(json.dumps(report, indent=1))
+    return 0
