@@ -2,7 +2,8 @@
 
 Every bar in selfspec goes through ``progress``: it is drawn on stderr only when stderr is a
 terminal, so logs, CI output and pipes get no bar debris. ``SELFSPEC_PROGRESS=1`` forces bars on,
-``SELFSPEC_PROGRESS=0`` forces them off. Bars for a step of a larger task (``inner=True``) vanish
+``SELFSPEC_PROGRESS=0`` forces them off, ``SELFSPEC_PROGRESS=log`` writes each bar as a plain line
+at most every 30 s (for long runs logged to a file: ``tail -f`` shows where they are). Bars for a step of a larger task (``inner=True``) vanish
 when done, leaving the outer task's bar. ``quiet_transformers`` silences transformers' own bars
 ("Loading weights", GGUF dequantization) so a model load shows nothing but selfspec's bar.
 """
@@ -21,6 +22,19 @@ from tqdm import tqdm
 ENV = "SELFSPEC_PROGRESS"
 
 
+class _LineFile:
+    """stderr for log mode: tqdm's carriage-return redraws become one line each."""
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def progress_enabled() -> bool:
     """Whether bars are drawn: ``SELFSPEC_PROGRESS`` if set (1 / 0), else whether stderr is a TTY."""
     env = os.environ.get(ENV, "").strip().lower()
@@ -35,6 +49,8 @@ def progress_enabled() -> bool:
 def progress(iterable: Iterable[Any] | None = None, *, inner: bool = False, **kw: Any) -> tqdm:
     """A tqdm bar on stderr, disabled unless ``progress_enabled()``; ``inner``: a step of a larger
     task, its bar is cleared when done (``leave=False``). Other keywords go to tqdm."""
+    if os.environ.get(ENV, "").strip().lower() == "log":
+        kw.update(file=_LineFile(), mininterval=30.0, ascii=True, dynamic_ncols=False, ncols=100)
     kw.setdefault("disable", not progress_enabled())
     if inner:
         kw["leave"] = False

@@ -239,6 +239,12 @@ def test_progress_bars_only_on_a_terminal(monkeypatch):
     inner.close()
     monkeypatch.setenv("SELFSPEC_PROGRESS", "0")
     assert not progress_enabled()
+    # log mode (long runs logged to a file): plain lines, no carriage returns
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.setenv("SELFSPEC_PROGRESS", "log")
+    assert list(progress(range(3), desc="logged")) == [0, 1, 2]
+    lines = sys.stderr.getvalue().splitlines()
+    assert "\r" not in sys.stderr.getvalue() and lines[0].startswith("logged:") and "3/3" in lines[-1]
 
 
 def test_quiet_transformers_silences_and_restores_transformers_bars():
