@@ -109,9 +109,9 @@ def test_answer_prompts_are_the_targets_greedy_answers_and_resume(sharegpt_file,
 
     ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
     out = tmp_path / "own.json"
-    cfg = AnswerConfig(out=str(out), source=str(sharegpt_file), max_new_tokens=8, batch_size=1, max_conversations=2)
+    cfg = AnswerConfig(out=str(out), source=str(sharegpt_file), max_new_tokens=8, max_conversations=2)
     first = list(iter_records(out)) if answer_prompts(ss, cfg)["answers"] == 2 else None
-    report = answer_prompts(ss, AnswerConfig(**{**cfg.__dict__, "max_conversations": 4, "batch_size": 2}))
+    report = answer_prompts(ss, AnswerConfig(**{**cfg.__dict__, "max_conversations": 4}))
     recs = list(iter_records(out))
     assert report["answers"] == 4 and recs[:2] == first  # resumed: the first two kept, two more appended
     assert json.loads(out.read_text()) == recs  # a complete run leaves valid JSON

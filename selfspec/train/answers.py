@@ -21,8 +21,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from selfspec.config import opt
 from selfspec.progress import progress
 from selfspec.train.sharegpt import conversations, iter_records
@@ -41,7 +39,6 @@ class AnswerConfig:
     max_conversations: int = opt(0, "Answer at most this many (0: no limit).")
     max_prompt_chars: int = opt(1500, "Longest first turn, in characters (longer ones are cut).")
     max_new_tokens: int = opt(256, "Longest answer, in tokens (greedy).")
-    batch_size: int = opt(32, "Prompts per batched generate call (left padded, sorted by length).")
     minutes: float = opt(0.0, "Stop after this many minutes (0: no limit); rerun to continue.")
 
 
@@ -66,31 +63,22 @@ def answer_prompts(ss: Any, cfg: AnswerConfig) -> dict[str, Any]:
             break
         if cid not in seen:
             todo.append((cid, msgs[0]["content"][: cfg.max_prompt_chars]))
-    encoded = [(cid, p, ss.encode([{"role": "user", "content": p}])) for cid, p in todo]
-    pad = ss.tokenizer.pad_token_id if ss.tokenizer.pad_token_id is not None else ss.eos_token_ids[0]
-    eos = set(ss.eos_token_ids)
     t0, budget = time.perf_counter(), cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
     tokens = 0
-    bar = progress(total=len(done) + len(encoded), initial=len(done), desc="own answers", unit="prompt")
-    with open(out, "a", encoding="utf-8") as f, torch.inference_mode():
-        for b in range(0, len(encoded), cfg.batch_size):
+    bar = progress(total=len(done) + len(todo), initial=len(done), desc="own answers", unit="prompt")
+    with open(out, "a", encoding="utf-8") as f:
+        for cid, prompt in todo:
             if time.perf_counter() - t0 > budget:
                 break
-            # Within a batch, similar lengths: less padding. The batches keep file order.
-            batch = sorted(encoded[b : b + cfg.batch_size], key=lambda e: len(e[2]))
-            width = max(len(e[2]) for e in batch)
-            ids = torch.tensor([[pad] * (width - len(e[2])) + e[2] for e in batch], device=ss.split.device)
-            mask = torch.tensor([[0] * (width - len(e[2])) + [1] * len(e[2]) for e in batch], device=ss.split.device)
-            gen = ss.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=cfg.max_new_tokens,
-                                    pad_token_id=pad, top_k=None, top_p=None, temperature=None)
-            for (cid, prompt, _), row in zip(batch, gen[:, width:].tolist()):
-                row = row[: next((i for i, t in enumerate(row) if t in eos), len(row))]
-                tokens += len(row)
-                rec = {"id": cid, "conversations": [{"from": "human", "value": prompt},
-                                                    {"from": "gpt", "value": ss.tokenizer.decode(row)}]}
-                _write(f, rec, not done)
-                done.append(rec)
-            bar.update(len(batch))
+            # selfspec's own engine, lossless: the target's greedy answer, at speculative speed
+            ids = ss.generate(ss.encode([{"role": "user", "content": prompt}]), max_new_tokens=cfg.max_new_tokens).token_ids
+            row = ids[: next((i for i, t in enumerate(ids) if t in ss.eos_token_ids), len(ids))]
+            tokens += len(row)
+            rec = {"id": cid, "conversations": [{"from": "human", "value": prompt},
+                                                {"from": "gpt", "value": ss.tokenizer.decode(row)}]}
+            _write(f, rec, not done)
+            done.append(rec)
+            bar.update()
         f.write("\n]\n" if done else "[]\n")
     bar.close()
     seconds = time.perf_counter() - t0
@@ -109,9 +97,11 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_answer_prompts(args: Any) -> int:
+    from selfspec.api import SelfSpec
     from selfspec.cli import config_from_args
-    from selfspec.train.cli import load_target
+    from selfspec.config import DraftConfig, ModelConfig
 
-    report = answer_prompts(load_target(args), config_from_args(args, AnswerConfig))
+    ss = SelfSpec.load(config_from_args(args, ModelConfig), DraftConfig())  # the default draft: fastest greedy
+    report = answer_prompts(ss, config_from_args(args, AnswerConfig))
     print(json.dumps(report, indent=1))
     return 0
