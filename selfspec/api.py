@@ -96,6 +96,9 @@ class SelfSpec:
         if draft.lookup < 0 or draft.lookup_ngram < 2:
             raise InvalidConfigError(f"lookup must be >= 0 and lookup_ngram >= 2, got {draft.lookup}, "
                                      f"{draft.lookup_ngram}")
+        if draft.tree_width is None:  # the head's measured best, else chains
+            width = head.recommended_draft.get("tree_width", 0)
+            draft = replace(draft, tree_width=width if head.kind == "deep" or not head.stateful else 0)
         if draft.tree_width < 0:
             raise InvalidConfigError(f"tree_width must be >= 0, got {draft.tree_width}")
         if gamma is None:

@@ -82,12 +82,13 @@ class DraftConfig:
         "0: off. With gamma=None the length is chosen from measured costs and lookup acceptance.",
     )
     lookup_ngram: int = opt(3, "Longest n-gram matched for lookup drafts (down to 2).")
-    tree_width: int = opt(
-        0,
+    tree_width: int | None = opt(
+        None,
         "Token trees (selfspec/drafting/tree.py): draft this many nodes per depth, chosen by path score "
         "(EAGLE-2), verify all in one block and accept the longest agreeing path; the lookup continuation "
         "joins as one more branch. The depth is the step's draft length. 0 or 1: a single chain. Needs a "
-        "'deep' head or a stateless one ('lm', 'linear').",
+        "'deep' head or a stateless one ('lm', 'linear'). None: the width measured best for the head "
+        "(its head_config.json 'draft'), else 0.",
     )
 
     def to_dict(self) -> dict:

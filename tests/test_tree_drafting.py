@@ -160,3 +160,20 @@ def test_tree_rounds_teach_the_policy_the_drafted_depth():
     assert seen and seen[0][0] == 3 and all(p <= 3 for p, _ in seen)  # the end is cut by max_new_tokens
     assert any(a < p for p, a in seen)  # with the path length as "proposed" every round would read a == p
     assert out.stats.proposed_per_position[0] == sum(p > 0 for p, _ in seen)  # stats count the same rounds
+
+
+def test_a_heads_recommended_tree_width_is_the_default(tmp_path):
+    """head_config.json "draft": {"tree_width": w} is what DraftConfig(tree_width=None) drafts with;
+    an explicit width overrides it, and a head without a recommendation drafts chains."""
+    from selfspec.heads.io import save_head
+
+    ss, head = deep_ss("llama", 2)
+    save_head(head, tmp_path / "rec", extra={"draft": {"tree_width": 2}})
+    save_head(head, tmp_path / "plain")
+    prompt = prompt_of(5, 4)
+    ref = hf_greedy(ss.model, prompt, NEW)
+    for path, width, want in (("rec", None, 2), ("rec", 0, 0), ("plain", None, 0)):
+        ss.set_draft(DraftConfig(head=str(tmp_path / path), gamma=3, tree_width=width, lookup=0))
+        assert ss.engine.tree_width == want and ss.draft_config.tree_width == want
+        out = ss.generate(prompt, max_new_tokens=NEW)
+        assert out.token_ids == ref, (path, width)

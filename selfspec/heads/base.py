@@ -69,6 +69,9 @@ class ExitHead(nn.Module):
         self.exit_layer = exit_layer
         self.register_buffer("vocab_ids", torch.empty(0, dtype=torch.long))  # [n] kept ids; empty = all
         self._trim_lm: PackedLinear | None = None  # the kept rows of the frozen LM head, packed
+        # Draft settings measured best for this head (head_config.json "draft", e.g. {"tree_width": 2});
+        # DraftConfig fields left at None take them.
+        self.recommended_draft: dict[str, Any] = {}
 
     def args(self) -> dict[str, Any]:
         """Constructor arguments beyond (split, exit_layer), written into head_config.json."""
