@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .install.stamp
 
-.PHONY: install demo test lint bench-quick train-default train-deep clean
+.PHONY: install demo test lint bench-quick train-default train-deep train-deep-own clean
 
 $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
@@ -28,11 +28,11 @@ lint: install
 bench-quick: install
 	$(PYTHON) -m selfspec.cli bench-quick
 
-# The exact recipe of the bundled head (selfspec/assets/heads/SmolLM2-135M-Instruct): ~5 min of data
-# generation + ~12 min of training on 2 CPU cores. See docs/TRAINING.md.
+# The recipe of the earlier bundled head (a layer head at exit layer 4): ~5 min of data generation +
+# ~12 min of training on 2 CPU cores. See docs/TRAINING.md.
 train-default: install
 	$(PYTHON) -m selfspec.cli train --threads 2 --exit-layer 4 --kind layer --epochs 6 --ce-weight 0.5 \
-		--vocab-trim 4096 --data runs/distill-data.jsonl --out selfspec/assets/heads/SmolLM2-135M-Instruct
+		--vocab-trim 4096 --data runs/distill-data.jsonl --out runs/layer-k4
 
 # The deep-context head's recipe (docs/TRAINING.md): ~45 min on 2 CPU cores. Held-out features (80
 # conversations), 28 min of training features from ShareGPT (minus Spec-Bench), 15 min of training.
@@ -44,6 +44,22 @@ train-deep: install
 		--exclude $(SPECBENCH) --out runs/features/heldout
 	$(PYTHON) -m selfspec collect-features --threads 2 --minutes 28 --exclude $(SPECBENCH) --out runs/features/train
 	$(PYTHON) -m selfspec train-deep --threads 2 --exit-layer 2 --epochs 3 --minutes 15 --out runs/deep-k2
+
+# Stage two (~45 min, after train-deep): the target's own answers to ShareGPT prompts, their features,
+# and a fine-tune of runs/deep-k2 on ShareGPT + own answers (counted twice). docs/TRAINING.md.
+# runs/deep-k2-own is the bundled head (selfspec/assets/heads/SmolLM2-135M-Instruct).
+train-deep-own: install
+	$(PYTHON) -m selfspec answer-prompts --threads 2 --split heldout --max-conversations 64 \
+		--exclude $(SPECBENCH) --out runs/own/heldout.json
+	$(PYTHON) -m selfspec answer-prompts --threads 2 --skip 805 --minutes 20 --exclude $(SPECBENCH) --out runs/own/train.json
+	$(PYTHON) -m selfspec collect-features --threads 2 --source runs/own/heldout.json --split heldout \
+		--exclude $(SPECBENCH) --out runs/features/own-heldout
+	$(PYTHON) -m selfspec collect-features --threads 2 --source runs/own/train.json --exclude $(SPECBENCH) \
+		--out runs/features/own-train
+	$(PYTHON) -m selfspec train-deep --threads 2 --exit-layer 2 --init runs/deep-k2 \
+		--features runs/features/train,runs/features/own-train,runs/features/own-train \
+		--heldout-features runs/features/own-heldout,runs/features/heldout \
+		--epochs 1.1 --lr 1e-3 --warmup 10 --vocab-trim 12288 --minutes 10 --out runs/deep-k2-own
 
 clean:
 	rm -f $(STAMP)

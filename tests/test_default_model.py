@@ -57,7 +57,8 @@ def test_default_model_lossless_with_bundled_trained_head(default_ss):
     ss = default_ss
     bundled = bundled_head_dir(ss.model_id)
     assert bundled is not None, "the default model's trained head is missing from selfspec/assets/heads"
-    for text, (gamma, policy) in zip(PROMPTS[::3], [(3, "fixed"), (5, "confidence"), (2, "fixed"), (4, "confidence")]):
+    settings = [(3, "fixed", 0), (5, "confidence", 0), (2, "fixed", 0), (4, "confidence", 0), (4, "fixed", 2)]
+    for text, (gamma, policy, width) in zip(PROMPTS[::3] + PROMPTS[1:2], settings):
         ids = ss.encode([{"role": "user", "content": text}])
         with torch.inference_mode():
             ref = ss.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -65,10 +66,10 @@ def test_default_model_lossless_with_bundled_trained_head(default_ss):
                                     temperature=None, pad_token_id=ss.tokenizer.eos_token_id)[0, len(ids):].tolist()
         if ss.eos_token_ids[0] in ref:
             ref = ref[: ref.index(ss.eos_token_ids[0]) + 1]
-        ss.set_draft(DraftConfig(head="auto", gamma=gamma, policy=policy, threshold=0.3))
+        ss.set_draft(DraftConfig(head="auto", gamma=gamma, policy=policy, threshold=0.3, tree_width=width))
         assert ss.head.kind != "lm" and len(ss.head.vocab_ids) > 0  # the trained, vocabulary-trimmed head
         out = ss.generate(ids, max_new_tokens=64)
-        assert out.token_ids == ref, (text, gamma, policy)
+        assert out.token_ids == ref, (text, gamma, policy, width)
         assert sum(out.stats.accepted_per_position) > 0  # it drafts something the target accepts
 
 
