@@ -98,7 +98,7 @@ class SelfSpec:
                                      f"{draft.lookup_ngram}")
         if draft.tree_width is None:  # the head's measured best, else chains
             width = head.recommended_draft.get("tree_width", 0)
-            draft = replace(draft, tree_width=width if head.kind == "deep" or not head.stateful else 0)
+            draft = replace(draft, tree_width=width if head.supports_tree else 0)
         if draft.tree_width < 0:
             raise InvalidConfigError(f"tree_width must be >= 0, got {draft.tree_width}")
         if gamma is None:

@@ -149,8 +149,7 @@ class EarlyExitDrafter:
 
     @property
     def supports_tree(self) -> bool:
-        """Trees need a head that can attend by tree mask (deep) or attends to nothing (lm, linear)."""
-        return self.head.needs_context or not self.head.stateful
+        return self.head.supports_tree
 
     def propose_tree(self, seq: SequenceState, depth: int, width: int, limit: int) -> DraftBlock:
         """A token tree of ``depth`` levels, ``width`` nodes per level chosen by path score (EAGLE-2),

