@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .install.stamp
 
-.PHONY: install demo test lint bench-quick train-default train-deep train-deep-own clean
+.PHONY: install demo test lint bench-quick train-default train-deep train-deep-own train-predictors clean
 
 $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
@@ -60,6 +60,12 @@ train-deep-own: install
 		--features runs/features/train,runs/features/own-train,runs/features/own-train \
 		--heldout-features runs/features/own-heldout,runs/features/heldout \
 		--epochs 1.1 --lr 1e-3 --warmup 10 --vocab-trim 12288 --minutes 10 --out runs/deep-k2-own
+
+# SpecEE's exit predictors for the bundled head (~15 min, after train-deep-own: reads runs/own/train.json).
+# runs/predictors/bundled/predictors.* are the bundled ones (beside the head in selfspec/assets/heads/...).
+train-predictors: install
+	$(PYTHON) -m selfspec train-predictors --threads 2 --source runs/own/train.json --max-conversations 260 \
+		--heldout-conversations 40 --out runs/predictors/bundled
 
 clean:
 	rm -f $(STAMP)

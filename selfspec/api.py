@@ -24,6 +24,8 @@ from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplate
 from selfspec.heads.base import ExitHead
 from selfspec.heads.io import load_head, new_head, read_head_config
 from selfspec.models.split import SplitModel
+from selfspec.specee.decode import DEFAULT_THRESHOLDS, SpecEERunner, SpecEESettings
+from selfspec.specee.predictors import has_predictors, load_predictors
 from selfspec.stats import GenerationStats
 from selfspec.textstream import TextStream
 
@@ -108,9 +110,32 @@ class SelfSpec:
             lookup_policy = CostAwarePolicy(make_policy("fixed"), costs.for_lookup(), prior=LOOKUP_PRIOR)
             gamma = MAX_AUTO_GAMMA if draft.tree_width <= 1 else max(1, min(MAX_AUTO_GAMMA, (MAX_TREE_NODES - 1) // draft.tree_width))
         drafter = EarlyExitDrafter(self.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy)
-        self.engine = Engine(self.split, drafter, gamma=gamma, tree_width=draft.tree_width)
+        specee = self.specee_runner(head, drafter, draft)
+        self.engine = Engine(self.split, drafter, gamma=gamma, tree_width=draft.tree_width, specee=specee)
         self.draft_config = replace(draft, exit_layer=head.exit_layer)
         self.head = head
+
+    def specee_runner(self, head: ExitHead, drafter: EarlyExitDrafter, draft: DraftConfig) -> SpecEERunner | None:
+        """SpecEE over ``head``'s candidates, when predictors are found (``DraftConfig.predictors``)."""
+        if not 0.0 <= (draft.specee_threshold if draft.specee_threshold is not None else 0.5) <= 1.0:
+            raise InvalidConfigError(f"specee_threshold must be in [0, 1], got {draft.specee_threshold}")
+        if draft.specee_window < 0 or draft.specee_radius < 0:
+            raise InvalidConfigError(f"specee_window and specee_radius must be >= 0, got {draft.specee_window}, "
+                                     f"{draft.specee_radius}")
+        if draft.predictors == "none":
+            return None
+        where = head.source if draft.predictors == "auto" else draft.predictors
+        if where is None or (draft.predictors == "auto" and not has_predictors(where)):
+            return None
+        preds = load_predictors(where, head.exit_layer, self.split.num_layers)
+        thresholds = {**DEFAULT_THRESHOLDS, **preds.meta.get("thresholds", {})}
+        if draft.specee_threshold is not None:
+            thresholds = dict.fromkeys(thresholds, draft.specee_threshold)
+        max_layer = draft.specee_max_layer if draft.specee_max_layer is not None else preds.meta.get("max_layer")
+        settings = SpecEESettings(thresholds, draft.specee_window, draft.specee_radius,
+                                  draft.gamma if draft.gamma is not None else SpecEESettings.max_drafts,
+                                  max_layer=max_layer)
+        return SpecEERunner(self.split, drafter, preds, settings)
 
     def draft_costs(self, head: ExitHead, draft: DraftConfig) -> DraftCosts:
         """Forward costs of ``head``'s draft on this machine (measured once per head, ~1-2 s)."""

@@ -72,6 +72,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat and not chat:
         print(f"selfspec: note: '{ss.model_id}' has no chat template, sending the prompt as plain text",
               file=sys.stderr)
+    if gen.method == "specee":
+        print("selfspec: note: method 'specee' is LOSSY (SpecEE as published): the text may differ from the "
+              "model's own; 'specee-verified' is the lossless mode", file=sys.stderr)
     result = None
     for ev in ss.stream(_read_prompt(args, chat), gen):
         sys.stdout.write(ev.text)
@@ -81,6 +84,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if result is not None and not args.quiet:
         d = ss.draft_config
         where = f"exit layer {d.exit_layer}, head {ss.head.kind}, gamma {d.gamma}, policy {d.policy}"
+        if gen.method.startswith("specee") and ss.engine.specee is not None:
+            where += f", exit threshold {ss.engine.specee.settings.threshold[gen.method]}"
         print(f"[{gen.method}: {where}] {result.stats.summary()}", file=sys.stderr)
     return 0
 
@@ -114,11 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     from selfspec.train.cli import add_parsers as add_train
     from selfspec.train.deep import add_parser as add_train_deep
     from selfspec.train.features import add_parser as add_features
+    from selfspec.train.predictors import add_parser as add_predictors
 
     add_train(sub)
     add_answers(sub)
     add_features(sub)
     add_train_deep(sub)
+    add_predictors(sub)
     from selfspec.server.app import add_parser as add_serve
 
     add_serve(sub)

@@ -91,6 +91,23 @@ class DraftConfig:
         "(its head_config.json 'draft'), else 0.",
     )
 
+    predictors: str = opt(
+        "auto",
+        "SpecEE predictors (methods specee, specee-verified): 'auto' (those saved beside the exit head, if "
+        "any), 'none', or a directory written by `selfspec train-predictors`.",
+    )
+    specee_threshold: float | None = opt(
+        None,
+        "SpecEE: a token exits at a layer when its predictor's probability reaches this. None: the "
+        "predictors' own per-mode default (high for the lossy 'specee', lower for 'specee-verified').",
+    )
+    specee_window: int = opt(4, "SpecEE online schedule: how many recent tokens' exit layers are looked at (0: off, "
+                             "check every layer that has a predictor).")
+    specee_radius: int = opt(2, "SpecEE online schedule: check only layers within this distance of a recent exit.")
+    specee_max_layer: int | None = opt(
+        None, "specee-verified: a draft token may exit only at layers up to this one (None: the predictors' own "
+        "recommendation, else any layer with a predictor); deeper exits cost most of a forward per draft.")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -102,8 +119,11 @@ class GenerateConfig:
     max_new_tokens: int = opt(256, "Most new tokens to generate.")
     method: str = opt(
         "selfspec",
-        "Decoding method: 'selfspec' (early-exit self-speculative) or 'plain' (autoregressive, same engine).",
-        choices=["selfspec", "plain"],
+        "Decoding method: 'selfspec' (early-exit self-speculative), 'plain' (autoregressive, same engine), "
+        "'specee-verified' (SpecEE's predictors pick each draft token's exit layer, then the target verifies: "
+        "lossless) or 'specee' (LOSSY: SpecEE as published, a token stops at the layer where its predictor "
+        "fires; output may differ from the model's own).",
+        choices=["selfspec", "plain", "specee-verified", "specee"],
     )
     temperature: float = opt(0.0, "Sampling temperature; 0 means greedy.")
     top_k: int = opt(0, "Keep only the k most likely tokens before sampling (0: off).")

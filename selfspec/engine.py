@@ -24,10 +24,12 @@ from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.errors import ContextOverflowError, EmptyPromptError, InvalidConfigError
 from selfspec.models.split import SplitModel
 from selfspec.sampling import greedy, logits_to_probs, make_generator, sample
+from selfspec.specee.decode import SPECEE_METHODS, SpecEERunner
 from selfspec.state import SequenceState
 from selfspec.stats import GenerationStats
 from selfspec.verify import greedy_tree_verify, greedy_verify, speculative_verify, tree_sample_verify
 
+METHODS = ("selfspec", "plain", *SPECEE_METHODS)
 MAX_TREE_NODES = 16  # the tree's head-drafted nodes (root included); the packed kernels take up to 16 rows
 
 
@@ -42,8 +44,8 @@ def validate_request(prompt_len: int, gen: GenerateConfig, context_length: int) 
         raise InvalidConfigError(f"top_p must be in (0, 1], got {gen.top_p}")
     if gen.top_k < 0:
         raise InvalidConfigError(f"top_k must be >= 0, got {gen.top_k}")
-    if gen.method not in ("selfspec", "plain"):
-        raise InvalidConfigError(f"unknown method '{gen.method}' (known: selfspec, plain)")
+    if gen.method not in METHODS:
+        raise InvalidConfigError(f"unknown method '{gen.method}' (known: {', '.join(METHODS)})")
     if prompt_len + gen.max_new_tokens > context_length:
         raise ContextOverflowError(
             f"this model's context is {context_length} tokens, but the prompt has {prompt_len} tokens "
@@ -53,12 +55,13 @@ def validate_request(prompt_len: int, gen: GenerateConfig, context_length: int) 
 
 class Engine:
     def __init__(self, split: SplitModel, drafter: EarlyExitDrafter | None = None, gamma: int = 4,
-                 tree_width: int = 0) -> None:
+                 tree_width: int = 0, specee: SpecEERunner | None = None) -> None:
         if gamma < 1:
             raise InvalidConfigError(f"gamma must be >= 1, got {gamma}")
         if tree_width < 0:
             raise InvalidConfigError(f"tree_width must be >= 0, got {tree_width}")
         self.split, self.drafter, self.gamma, self.tree_width = split, drafter, gamma, tree_width
+        self.specee = specee  # SpecEE's predictors over this drafter's candidates (methods specee, specee-verified)
 
     # ---- pieces -----------------------------------------------------------------------
     def _pick(self, logits: torch.Tensor, gen: GenerateConfig, seq: SequenceState) -> int:  # logits [vocab]
@@ -162,18 +165,31 @@ class Engine:
         iterating at any time (EOS, stop string); the engine never exceeds ``max_new_tokens``."""
         validate_request(len(prompt_ids), gen, self.split.context_length)
         stats = stats if stats is not None else GenerationStats()
-        speculative = gen.method == "selfspec" and self.drafter is not None
+        specee = gen.method in SPECEE_METHODS
+        if specee and (self.specee is None or self.drafter is None):
+            raise InvalidConfigError(
+                f"method '{gen.method}' needs SpecEE predictors for the exit head: none were found beside it "
+                "(train them with `selfspec train-predictors`, or set DraftConfig.predictors)"
+            )
+        speculative = (gen.method == "selfspec" or specee) and self.drafter is not None
         t0 = time.perf_counter()
         seq = self.new_sequence(len(prompt_ids), gen)
         stats.prompt_tokens = len(prompt_ids)
         first = self.prefill(seq, prompt_ids, gen, speculative)
         seq.tokens = [*prompt_ids, first]
+        if specee:
+            self.specee.start(seq)
         stats.prefill_time = time.perf_counter() - t0
         stats.new_tokens, stats.wall_time = 1, stats.prefill_time
         yield [first]
         while stats.new_tokens < gen.max_new_tokens:
             remaining = gen.max_new_tokens - stats.new_tokens
-            if speculative:
+            if gen.method == "specee":
+                block = self.specee.lossy_step(seq, gen, stats)
+            elif gen.method == "specee-verified" and not self.drafter.lookup_available(seq):
+                cap = min(self.specee.settings.max_drafts, self.drafter.policy.max_drafts(self.gamma), remaining - 1)
+                block = self.specee.verified_step(seq, gen, cap, stats)
+            elif speculative:  # selfspec; specee-verified when a lookup block is there (free drafts, same verification)
                 max_drafts = min(self.drafter.policy.max_drafts(self.gamma), remaining - 1)
                 block = self.speculative_step(seq, gen, max_drafts, stats, limit=remaining - 1)
             else:

@@ -16,6 +16,11 @@ class GenerationStats:
     lookup_steps: int = 0  # steps whose drafts came from an n-gram match (lookup), not the early exit
     lookup_proposed: int = 0  # lookup drafts proposed (not in the per-position lists, which are the early exit's)
     lookup_accepted: int = 0  # lookup drafts accepted
+    exit_layers: list[int] = field(default_factory=list)  # SpecEE: layer each token (draft) exited at (L: none)
+    predictor_checks: int = 0  # SpecEE: predictor evaluations
+    predictor_time: float = 0.0  # SpecEE: seconds in candidate features + predictors
+    exit_compared: int = 0  # lossy SpecEE: early-exit tokens whose full-model choice became known
+    exit_agreed: int = 0  # ... and equalled what the exit emitted (greedy)
     prefill_time: float = 0.0  # seconds, prompt forward and first token
     wall_time: float = 0.0  # seconds, whole generation (prefill included)
 
@@ -27,6 +32,10 @@ class GenerationStats:
     @property
     def acceptance_rate_per_position(self) -> list[float]:
         return [a / p if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
+
+    @property
+    def mean_exit_layer(self) -> float:
+        return sum(self.exit_layers) / len(self.exit_layers) if self.exit_layers else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -58,6 +67,11 @@ class GenerationStats:
         self.lookup_proposed += other.lookup_proposed
         self.lookup_accepted += other.lookup_accepted
         self.accept_lengths += other.accept_lengths
+        self.exit_layers += other.exit_layers
+        self.predictor_checks += other.predictor_checks
+        self.predictor_time += other.predictor_time
+        self.exit_compared += other.exit_compared
+        self.exit_agreed += other.exit_agreed
         grow = len(other.proposed_per_position) - len(self.proposed_per_position)
         self.proposed_per_position += [0] * max(0, grow)
         self.accepted_per_position += [0] * max(0, grow)
@@ -71,6 +85,7 @@ class GenerationStats:
         d = asdict(self)
         d.update(
             mean_accepted_length=self.mean_accepted_length,
+            mean_exit_layer=self.mean_exit_layer,
             acceptance_rate_per_position=self.acceptance_rate_per_position,
             tokens_per_second=self.tokens_per_second,
         )
@@ -84,4 +99,8 @@ class GenerationStats:
             + (f", acceptance per position [{rates}]" if rates else "")
             + (f", lookup: {self.lookup_steps} steps, {self.lookup_accepted}/{self.lookup_proposed} drafts accepted"
                if self.lookup_steps else "")
+            + (f", mean exit layer {self.mean_exit_layer:.1f}, predictors {self.predictor_checks} checks "
+               f"{1000 * self.predictor_time:.0f} ms" if self.exit_layers else "")
+            + (f", exits agreeing with the full model {self.exit_agreed}/{self.exit_compared}"
+               if self.exit_compared else "")
         )

@@ -111,6 +111,10 @@ class EarlyExitDrafter:
         states = split.run_layers(split.embed(ids), 0, self.exit_layer, seq.positions(p, len(drafts) + 1), seq.cache)
         return DraftBlock(list(drafts), None, states, start=p, source="lookup")
 
+    def lookup_available(self, seq: SequenceState) -> bool:
+        """Whether a lookup block would be proposed now (the text's last n-gram occurred before)."""
+        return self.lookup > 0 and bool(seq.tokens) and bool(self._ngram_index(seq).continuation(1))
+
     def propose(self, seq: SequenceState, max_drafts: int, gen, limit: int | None = None) -> DraftBlock:
         if self.lookup > 0 and seq.tokens:
             block = self._lookup(seq, max_drafts if limit is None else limit)

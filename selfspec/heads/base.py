@@ -72,6 +72,7 @@ class ExitHead(nn.Module):
         # Draft settings measured best for this head (head_config.json "draft", e.g. {"tree_width": 2});
         # DraftConfig fields left at None take them.
         self.recommended_draft: dict[str, Any] = {}
+        self.source: str | None = None  # the directory the head was loaded from (its SpecEE predictors live there)
 
     @property
     def supports_tree(self) -> bool:

@@ -91,4 +91,5 @@ def load_head(path: str | Path, split: SplitModel, exit_layer: int | None = None
     head.load_state_dict(state, strict=False)
     head.to(dtype=split.dtype)
     head.recommended_draft = dict(cfg.get("draft", {}))
+    head.source = str(path)
     return head.eval().requires_grad_(False)
