@@ -280,3 +280,29 @@ def test_cli_smoke_on_the_real_model(tmp_path):
                  "--methods", "hf,selfspec-lm", "--threads", "1"]) == 0
     c = read_answers(tmp_path / "run" / "answers" / "selfspec-lm.jsonl")[161]["choices"][0]
     assert c["new_tokens"] == [4] and c["turns"][0]
+
+
+def test_specee_methods_report_agreement_exits_and_plots(tiny_ss, tmp_path):
+    from test_specee import random_predictors
+
+    preds = random_predictors(tmp_path / "preds", exit_layer=1)
+    keys = f"head=lm,exit_layer=1,gamma=3,predictors={preds},specee_threshold=0.3"
+    qs = QUESTIONS[:2] + [{"question_id": 400, "category": "math_reasoning", "turns": ["What is 2 + 3?"]}]
+    cfg = bench_cfg(tmp_path, qs, methods=["hf", f"specee-verified:{keys}", f"lossy=specee:{keys}"])
+    text = run_bench(cfg, ss=tiny_ss)
+    run = tmp_path / "run"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["methods"]["lossy"]["info"]["lossy"] is True
+    overall = json.loads((run / "summary.json").read_text())["groups"]["overall"]
+    verified = next(m for m in overall if m.startswith("specee-verified"))
+    assert overall[verified]["identical"] == 3 and overall[verified]["token_agreement"] == 1.0
+    assert 1 <= overall["lossy"]["mean_exit_layer"] <= 4 and overall["lossy"]["predictor_ms_per_token"] > 0
+    assert 0 <= overall["lossy"]["token_agreement"] <= 1
+    math = json.loads((run / "summary.json").read_text())["groups"]["math_reasoning"]
+    assert math["lossy"]["math_questions"] == 1
+    rec = read_answers(run / "answers" / "lossy.jsonl")[81]["choices"][0]
+    assert len(rec["specee"]) == 2 and rec["specee"][0]["exit_layers"]
+    assert "Agreement with the baseline" in text
+    assert (run / "pareto.png").stat().st_size > 1000 and (run / "exit_layers.png").stat().st_size > 1000
+    with pytest.raises(InvalidConfigError, match="needs SpecEE predictors"):
+        parse_method("specee:head=lm,exit_layer=1", BenchConfig(), tiny_ss)

@@ -488,3 +488,21 @@ def test_bounded_load_test_against_a_real_server_process(tmp_path):
     if r["rss_before_mb"] is not None:
         assert r["rss_after_mb"] - r["rss_before_mb"] < 150, (r["rss_before_mb"], r["rss_after_mb"])
     assert json.loads((tmp_path / "load.json").read_text())["requests"] == 20
+
+
+@pytest.mark.slow
+def test_specee_methods_per_request(client, ss):
+    """A request may pick SpecEE (extra_body 'method'): specee-verified is the model's own greedy text, the
+    lossy specee streams text too; an unknown method is a 400 naming the field."""
+    from selfspec.config import DraftConfig
+
+    ss.set_draft(DraftConfig())  # the bundled head and its predictors (other tests switch drafts on this model)
+    ref = ss.generate(PROMPT, max_new_tokens=16, temperature=0.0)
+    r = client.completions.create(model=model_of(ss), prompt=PROMPT, max_tokens=16, temperature=0,
+                                  extra_body={"method": "specee-verified"})
+    assert r.choices[0].text == ref.text
+    text, _ = stream_text(client.completions.create(model=model_of(ss), prompt=PROMPT, max_tokens=16, temperature=0,
+                                                    stream=True, extra_body={"method": "specee"}), chat=False)
+    assert text
+    with pytest.raises(openai.BadRequestError, match="method"):
+        client.completions.create(model=model_of(ss), prompt=PROMPT, max_tokens=4, extra_body={"method": "fast"})

@@ -14,6 +14,10 @@ Spec strings (``--methods``, repeatable or comma-separated):
     selfspec[:KEY=VALUE,...]            any DraftConfig: exit_layer, head (lm | trained | a head
                                         directory), gamma, policy, threshold; unset keys take the
                                         bench's defaults
+    specee-verified[:KEY=VALUE,...]     SpecEE's predictors pick each draft token's exit layer (lossless);
+                                        keys: any DraftConfig (specee_threshold, specee_window, ...) over
+                                        DraftConfig()'s defaults (the bundled head and its predictors)
+    specee[:KEY=VALUE,...]              LOSSY SpecEE (a token stops where its predictor fires); same keys
     NAME=SPEC                           any of the above, recorded under NAME
 
 POLICY is any drafting policy of DraftConfig (fixed, confidence, ...); without one, ``fixed``.
@@ -37,7 +41,8 @@ if TYPE_CHECKING:
     from selfspec.bench.specbench import BenchConfig
 
 HF_KINDS = ("hf", "hf-prompt-lookup", "hf-early-exit")
-KINDS = (*HF_KINDS, "plain", "selfspec")
+SPECEE_KINDS = ("specee-verified", "specee")
+KINDS = (*HF_KINDS, "plain", "selfspec", *SPECEE_KINDS)
 
 
 def policies() -> list[str]:
@@ -73,6 +78,7 @@ class TurnResult:
     accept_lengths: list[int]  # tokens emitted per step, bonus included ([] when unknown)
     draft_tokens: int | None = None  # draft tokens proposed (selfspec kinds)
     prompt_tokens: int = 0
+    specee: dict[str, Any] | None = None  # SpecEE kinds: exit layers, predictor checks and time, exit agreement
 
     @property
     def new_tokens(self) -> int:
@@ -188,6 +194,20 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
         return Method(name, base, spec, options={"assistant_early_exit": layer},
                       info={"exit_layer": layer, "num_layers": ss.split.num_layers})
     draft = DraftConfig(exit_layer=k, head="lm", gamma=cfg.gamma, policy="fixed", threshold=cfg.threshold)
+    if base in SPECEE_KINDS:
+        values = {key: _convert(key, v) for key, v in kv.items()}
+        if values.get("head") == "trained":
+            values["head"] = _need_trained(cfg, ss, spec)
+        draft = replace(DraftConfig(), **values)
+        ss.set_draft(draft)
+        if ss.engine.specee is None:
+            raise InvalidConfigError(f"method '{spec}' needs SpecEE predictors beside the exit head (none found; "
+                                     "run `selfspec train-predictors`)")
+        th = ss.engine.specee.settings.threshold[base]
+        name = alias or (base if not kv else f"{base}-" + "-".join(f"{a}{b}" for a, b in kv.items()))
+        info = {"exit_layer": ss.head.exit_layer, "num_layers": ss.split.num_layers, "head_kind": ss.head.kind,
+                "threshold": th, "predictor_layers": ss.engine.specee.layers, "lossy": base == "specee"}
+        return Method(_slug(name), base, spec, draft=ss.draft_config, info=info)
     if base in ("selfspec", "selfspec-default"):
         if base == "selfspec-default":  # exactly what a user gets: DraftConfig()'s defaults
             _no_more(kv, spec)
@@ -258,12 +278,16 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) 
     if method.kind in HF_KINDS:
         return _run_hf(ss, ids, max_new_tokens, method.options)
     gen = GenerateConfig(max_new_tokens=max_new_tokens, ignore_eos=False)
-    if method.kind == "selfspec":
+    if method.kind in ("selfspec", *SPECEE_KINDS):
         ss.set_draft(method.draft)  # untimed; an adaptive policy starts afresh each turn
-    r = ss.generate(ids, gen, method="plain" if method.kind == "plain" else "selfspec")
+    r = ss.generate(ids, gen, method="selfspec" if method.kind == "selfspec" else method.kind)
     st = r.stats
-    drafted = sum(st.proposed_per_position) + st.lookup_proposed if method.kind == "selfspec" else 0
-    return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids))
+    drafted = sum(st.proposed_per_position) + st.lookup_proposed if method.kind != "plain" else 0
+    specee = None
+    if method.kind in SPECEE_KINDS:
+        specee = {"exit_layers": list(st.exit_layers), "predictor_checks": st.predictor_checks,
+                  "predictor_time": st.predictor_time, "exit_agreed": st.exit_agreed, "exit_compared": st.exit_compared}
+    return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids), specee)
 
 
 def _run_hf(ss: SelfSpec, ids: list[int], max_new_tokens: int, options: dict[str, Any]) -> TurnResult:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from selfspec.bench.pareto import agreement_metrics, format_agreement, plot_exit_layers, plot_pareto
 from selfspec.costs import DraftCosts
 from selfspec.errors import InvalidConfigError
 
@@ -146,6 +147,7 @@ def method_metrics(run: Run, method: str, qids: list[int], baseline: str | None)
         out["speedup"] = out["tokens_per_s"] / btps if btps > 0 else None
         out["median_ratio"] = statistics.median(ratios) if ratios else None
         out["identical"] = sum(same_tokens(r, b) for r, b in zip(recs, base))
+        out.update(agreement_metrics(recs, base))
     info = run.manifest.get("methods", {}).get(method, {}).get("info", {})
     drafted = [sum(x or 0 for x in _choice(r).get("draft_tokens") or []) for r in recs]
     if run.kind(method) in SELFSPEC_KINDS and "exit_layer" in info and steps and out["mal"]:
@@ -179,7 +181,8 @@ def summarize(run: Run, baseline: str | None = None) -> dict[str, Any]:
     groups["overall"] = sorted(common)
     base = baseline if baseline in run.answers else None
     summary = {g: {m: method_metrics(run, m, qids, base) for m in methods} for g, qids in groups.items()}
-    return {"baseline": base, "methods": methods, "questions": len(common), "groups": summary,
+    lossy = [m for m in methods if run.manifest.get("methods", {}).get(m, {}).get("info", {}).get("lossy")]
+    return {"baseline": base, "methods": methods, "questions": len(common), "groups": summary, "lossy": lossy,
             "divergences": divergence_summary([d for d in run.divergences if d["question_id"] in common], methods)}
 
 
@@ -217,12 +220,16 @@ def format_summary(summary: dict[str, Any]) -> str:
             ident = f"{s['identical']}/{s['questions']}" if "identical" in s else "-"
             lines.append(f"| {m} | {s['tokens_per_s']:.2f} | {_f(s.get('speedup'))} | {_f(s.get('median_ratio'))} "
                          f"| {_f(s['mal'])} | {_f(s.get('bound'))} | {ident} |")
+    lines += format_agreement(summary)
     if summary.get("divergences"):
         lines += ["", "Divergences from the baseline (first differing token; target's top-2 logit margin there):",
                   "", "| method | answers | near-ties | largest margin |", "|---|---|---|---|"]
         for m, d in summary["divergences"].items():
             lines.append(f"| {m} | {d['answers']} | {d['near_ties']} | {d['max_margin']:.2e} |")
-        real = [x for d in summary["divergences"].values() for x in d["not_near_ties"]]
+        lossy = set(summary.get("lossy", []))
+        if lossy:
+            lines += ["", f"Lossy by design (their divergences are expected): {', '.join(sorted(lossy))}"]
+        real = [x for m, d in summary["divergences"].items() if m not in lossy for x in d["not_near_ties"]]
         if real:
             lines += ["", "Not near-ties (a margin this large should not flip: look for a bug):", "",
                       "| method | question | turn | position | margin | token gap |", "|---|---|---|---|---|---|"]
@@ -267,6 +274,11 @@ def write_report(run_dir: str | Path, baseline: str | None = None) -> str:
     (run.path / "summary.json").write_text(json.dumps(summary, indent=2))
     (run.path / "summary.md").write_text(text + "\n")
     plot_speedup(summary, run.path / "speedup.png")
+    if any("mean_exit_layer" in s for s in summary["groups"].get("overall", {}).values()):
+        plot_pareto(summary, run.path / "pareto.png")
+        layers = next((m.get("info", {}).get("num_layers") for m in run.manifest.get("methods", {}).values()
+                       if m.get("info", {}).get("num_layers")), 30)
+        plot_exit_layers(run.answers, layers, run.path / "exit_layers.png")
     return text
 
 

@@ -22,12 +22,14 @@ import uvicorn
 from fastapi import FastAPI
 
 from selfspec.config import DraftConfig, ModelConfig
+from selfspec.errors import InvalidConfigError
 from selfspec.server.config import ServeConfig
 from selfspec.server.errors import install_handlers
 from selfspec.server.metrics import Metrics
 from selfspec.server.middleware import APIKeyMiddleware, MetricsMiddleware
 from selfspec.server.routes import ServerState, router
 from selfspec.server.worker import Worker
+from selfspec.specee.decode import SPECEE_METHODS
 
 log = logging.getLogger("selfspec.server")
 ROUTE_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
@@ -40,11 +42,15 @@ def _info(ss: Any, name: str) -> dict[str, Any]:
             "gamma": getattr(d, "gamma", None), "policy": getattr(d, "policy", None)}
 
 
-def create_app(ss: Any, api_key: str | None = None, model_name: str | None = None, max_queue: int = 64) -> FastAPI:
+def create_app(ss: Any, api_key: str | None = None, model_name: str | None = None, max_queue: int = 64,
+               method: str = "selfspec") -> FastAPI:
     """A FastAPI app serving ``ss`` (a SelfSpec). Its worker thread starts and stops with the app's
-    lifespan; only that thread ever calls the engine."""
+    lifespan; only that thread ever calls the engine. ``method``: the decoding method of requests that
+    name none ('specee' is lossy)."""
     name = model_name or ss.model_id
-    metrics = Metrics(_info(ss, name))
+    if method in SPECEE_METHODS and getattr(getattr(ss, "engine", None), "specee", None) is None:
+        raise InvalidConfigError(f"method '{method}' needs SpecEE predictors beside the exit head (none found)")
+    metrics = Metrics({**_info(ss, name), "method": method, "lossy": method == "specee"})
     worker = Worker(ss, max_queue=max_queue, metrics=metrics)
 
     @asynccontextmanager
@@ -54,7 +60,7 @@ def create_app(ss: Any, api_key: str | None = None, model_name: str | None = Non
         await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="selfspec", description="OpenAI-compatible API over selfspec", lifespan=lifespan)
-    app.state.selfspec = ServerState(ss, worker, metrics, name, int(time.time()))
+    app.state.selfspec = ServerState(ss, worker, metrics, name, int(time.time()), method)
     install_handlers(app)
     app.include_router(router)
     if api_key:
@@ -89,7 +95,9 @@ def serve(ss: Any, cfg: ServeConfig) -> None:
     api_key = cfg.api_key if cfg.api_key is not None else os.environ.get("SELFSPEC_API_KEY") or None
     if not api_key and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it", cfg.host)
-    app = create_app(ss, api_key=api_key, model_name=cfg.model_name, max_queue=cfg.max_queue)
+    if cfg.method == "specee":
+        log.warning("serving with method 'specee' by default: LOSSY, outputs may differ from the model's own")
+    app = create_app(ss, api_key=api_key, model_name=cfg.model_name, max_queue=cfg.max_queue, method=cfg.method)
     make_server(app, cfg.host, cfg.port, cfg.graceful_timeout, cfg.log_level).run()
 
 

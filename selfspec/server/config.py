@@ -25,6 +25,12 @@ class ServeConfig:
         "On shutdown (Ctrl-C / SIGTERM), seconds in-flight and queued requests get to finish before "
         "they are cancelled (their clients get an OpenAI-style error).",
     )
+    method: str = opt(
+        "selfspec",
+        "Decoding method of requests that name none (a request may send 'method' in extra_body): "
+        "'selfspec', 'plain', 'specee-verified', or 'specee' (LOSSY SpecEE, outputs may differ from the model's).",
+        choices=["selfspec", "plain", "specee-verified", "specee"],
+    )
     log_level: str = opt("info", "uvicorn log level.", choices=["critical", "error", "warning", "info", "debug"])
 
     def to_dict(self) -> dict:

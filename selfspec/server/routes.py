@@ -45,6 +45,7 @@ from selfspec.server.schemas import (
     Usage,
 )
 from selfspec.server.worker import Job, Worker
+from selfspec.specee.decode import SPECEE_METHODS
 
 T = TypeVar("T")
 router = APIRouter()
@@ -60,6 +61,7 @@ class ServerState:
     metrics: Metrics
     model_name: str
     created: int
+    method: str = "selfspec"  # decoding method of requests that name none
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -82,7 +84,11 @@ class ServerState:
                 temperature=0.0 if temperature < GREEDY_BELOW else temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=body.top_k or 0, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                method=body.method or self.method,
             )
+            if config.method in SPECEE_METHODS and getattr(self.ss.engine, "specee", None) is None:
+                raise APIError(400, f"method '{config.method}' needs SpecEE predictors, and this server's exit head "
+                               "has none", param="method", code="invalid_value")
             validate_request(len(ids), config, context)
         except SelfSpecError as e:
             raise from_selfspec_error(e, param) from e

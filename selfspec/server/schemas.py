@@ -50,6 +50,8 @@ class GenerationRequest(BaseModel):
     # vLLM-style extensions
     top_k: int | None = Field(None, ge=0)
     ignore_eos: bool = False
+    method: Literal["selfspec", "plain", "specee-verified", "specee"] | None = Field(
+        None, description="selfspec extension: the decoding method ('specee' is LOSSY); None: the server's.")
 
     @field_validator("stop")
     @classmethod
