@@ -117,7 +117,7 @@ class SelfSpec:
 
     def specee_runner(self, head: ExitHead, drafter: EarlyExitDrafter, draft: DraftConfig) -> SpecEERunner | None:
         """SpecEE over ``head``'s candidates, when predictors are found (``DraftConfig.predictors``)."""
-        if not 0.0 <= (draft.specee_threshold if draft.specee_threshold is not None else 0.5) <= 1.0:
+        if draft.specee_threshold is not None and not 0.0 <= draft.specee_threshold <= 1.0:
             raise InvalidConfigError(f"specee_threshold must be in [0, 1], got {draft.specee_threshold}")
         if draft.specee_window < 0 or draft.specee_radius < 0:
             raise InvalidConfigError(f"specee_window and specee_radius must be >= 0, got {draft.specee_window}, "

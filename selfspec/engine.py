@@ -23,7 +23,7 @@ from selfspec.drafting.base import DraftBlock
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.errors import ContextOverflowError, EmptyPromptError, InvalidConfigError
 from selfspec.models.split import SplitModel
-from selfspec.sampling import greedy, logits_to_probs, make_generator, sample
+from selfspec.sampling import logits_to_probs, make_generator, pick
 from selfspec.specee.decode import SPECEE_METHODS, SpecEERunner
 from selfspec.state import SequenceState
 from selfspec.stats import GenerationStats
@@ -64,10 +64,13 @@ class Engine:
         self.specee = specee  # SpecEE's predictors over this drafter's candidates (methods specee, specee-verified)
 
     # ---- pieces -----------------------------------------------------------------------
-    def _pick(self, logits: torch.Tensor, gen: GenerateConfig, seq: SequenceState) -> int:  # logits [vocab]
-        if gen.greedy:
-            return int(greedy(logits))
-        return int(sample(logits_to_probs(logits, gen.temperature, gen.top_k, gen.top_p), seq.generator))
+    def check_method(self, method: str) -> None:
+        """A clear error when ``method`` needs something this engine lacks (SpecEE predictors)."""
+        if method in SPECEE_METHODS and (self.specee is None or self.drafter is None):
+            raise InvalidConfigError(
+                f"method '{method}' needs SpecEE predictors for the exit head: none were found beside it "
+                "(train them with `selfspec train-predictors`, or set DraftConfig.predictors)"
+            )
 
     def new_sequence(self, prompt_len: int, gen: GenerateConfig) -> SequenceState:
         cache = self.split.new_cache(prompt_len + gen.max_new_tokens + 1)
@@ -86,14 +89,14 @@ class Engine:
         else:
             h = split.forward_all(ids, pos, seq.cache)
         seq.length = len(prompt_ids)
-        seq.pending = self._pick(split.logits(h[:, -1:])[0, -1], gen, seq)
+        seq.pending = pick(split.logits(h[:, -1:])[0, -1], gen, seq.generator)
         return seq.pending
 
     def decode_one_token(self, seq: SequenceState, gen: GenerateConfig) -> int:
         ids = torch.tensor([[seq.pending]], dtype=torch.long, device=self.split.device)
         h = self.split.forward_all(ids, seq.positions(seq.length, 1), seq.cache)
         seq.length += 1
-        seq.pending = self._pick(self.split.logits(h)[0, -1], gen, seq)
+        seq.pending = pick(self.split.logits(h)[0, -1], gen, seq.generator)
         return seq.pending
 
     def speculative_step(
@@ -105,8 +108,15 @@ class Engine:
         if self.tree_width > 1 and max_drafts > 0 and drafter.supports_tree:
             return self.tree_step(seq, gen, max_drafts, stats, max_drafts if limit is None else limit)
         block = drafter.propose(seq, max_drafts, gen, limit=max_drafts if limit is None else limit)
-        g = len(block.tokens)
-        h = split.run_layers(block.exit_states, drafter.exit_layer, split.num_layers, seq.positions(p, g + 1), seq.cache)
+        h = split.run_layers(block.exit_states, drafter.exit_layer, split.num_layers,
+                             seq.positions(p, len(block.tokens) + 1), seq.cache)
+        return self.verify_block(seq, gen, block, h, stats)
+
+    def verify_block(self, seq: SequenceState, gen: GenerateConfig, block: DraftBlock, h: torch.Tensor,
+                     stats: GenerationStats) -> list[int]:
+        """Verify a chain of drafts from the last-layer states of its rows ``h`` ``# [1, g + 1, hidden]``
+        (pending token and drafts), roll the cache back to the accepted length, sync the drafter, emit."""
+        split, p, g = self.split, block.start, len(block.tokens)
         target_logits = split.logits(h)  # [1, g + 1, vocab]
         drafts = torch.tensor([block.tokens], dtype=torch.long, device=split.device)  # [1, g]
         if gen.greedy:
@@ -121,7 +131,7 @@ class Engine:
         m, nxt = int(res.num_accepted[0]), int(res.next_token[0])
         seq.cache.truncate(p + 1 + m)  # keep the pending token and the accepted drafts
         seq.length, seq.pending = p + 1 + m, nxt
-        drafter.accepted(seq, block, m, h)
+        self.drafter.accepted(seq, block, m, h)
         stats.record_step(g, m, block.source)
         out = block.tokens[:m] + [nxt]
         seq.tokens.extend(out)
@@ -165,12 +175,8 @@ class Engine:
         iterating at any time (EOS, stop string); the engine never exceeds ``max_new_tokens``."""
         validate_request(len(prompt_ids), gen, self.split.context_length)
         stats = stats if stats is not None else GenerationStats()
+        self.check_method(gen.method)
         specee = gen.method in SPECEE_METHODS
-        if specee and (self.specee is None or self.drafter is None):
-            raise InvalidConfigError(
-                f"method '{gen.method}' needs SpecEE predictors for the exit head: none were found beside it "
-                "(train them with `selfspec train-predictors`, or set DraftConfig.predictors)"
-            )
         speculative = (gen.method == "selfspec" or specee) and self.drafter is not None
         t0 = time.perf_counter()
         seq = self.new_sequence(len(prompt_ids), gen)
@@ -188,7 +194,8 @@ class Engine:
                 block = self.specee.lossy_step(seq, gen, stats)
             elif gen.method == "specee-verified" and not self.drafter.lookup_available(seq):
                 cap = min(self.specee.settings.max_drafts, self.drafter.policy.max_drafts(self.gamma), remaining - 1)
-                block = self.specee.verified_step(seq, gen, cap, stats)
+                drafted, h = self.specee.verified_round(seq, cap, stats)
+                block = self.verify_block(seq, gen, drafted, h, stats)
             elif speculative:  # selfspec; specee-verified when a lookup block is there (free drafts, same verification)
                 max_drafts = min(self.drafter.policy.max_drafts(self.gamma), remaining - 1)
                 block = self.speculative_step(seq, gen, max_drafts, stats, limit=remaining - 1)

@@ -52,3 +52,10 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     g = torch.Generator(device=device)
     g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
     return g
+
+
+def pick(logits: torch.Tensor, gen, generator: torch.Generator | None) -> int:  # logits [vocab]
+    """The next token under ``gen`` (a GenerateConfig): greedy, or sampled from the processed distribution."""
+    if gen.greedy:
+        return int(greedy(logits))
+    return int(sample(logits_to_probs(logits, gen.temperature, gen.top_k, gen.top_p), generator))

@@ -200,9 +200,7 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
             values["head"] = _need_trained(cfg, ss, spec)
         draft = replace(DraftConfig(), **values)
         ss.set_draft(draft)
-        if ss.engine.specee is None:
-            raise InvalidConfigError(f"method '{spec}' needs SpecEE predictors beside the exit head (none found; "
-                                     "run `selfspec train-predictors`)")
+        ss.engine.check_method(base)
         th = ss.engine.specee.settings.threshold[base]
         name = alias or (base if not kv else f"{base}-" + "-".join(f"{a}{b}" for a, b in kv.items()))
         info = {"exit_layer": ss.head.exit_layer, "num_layers": ss.split.num_layers, "head_kind": ss.head.kind,

@@ -22,7 +22,6 @@ import uvicorn
 from fastapi import FastAPI
 
 from selfspec.config import DraftConfig, ModelConfig
-from selfspec.errors import InvalidConfigError
 from selfspec.server.config import ServeConfig
 from selfspec.server.errors import install_handlers
 from selfspec.server.metrics import Metrics
@@ -48,8 +47,8 @@ def create_app(ss: Any, api_key: str | None = None, model_name: str | None = Non
     lifespan; only that thread ever calls the engine. ``method``: the decoding method of requests that
     name none ('specee' is lossy)."""
     name = model_name or ss.model_id
-    if method in SPECEE_METHODS and getattr(getattr(ss, "engine", None), "specee", None) is None:
-        raise InvalidConfigError(f"method '{method}' needs SpecEE predictors beside the exit head (none found)")
+    if method in SPECEE_METHODS:
+        ss.engine.check_method(method)
     metrics = Metrics({**_info(ss, name), "method": method, "lossy": method == "specee"})
     worker = Worker(ss, max_queue=max_queue, metrics=metrics)
 

@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from selfspec.api import StreamEvent
 from selfspec.config import GenerateConfig
 from selfspec.engine import validate_request
-from selfspec.errors import SelfSpecError
+from selfspec.errors import InvalidConfigError, SelfSpecError
 from selfspec.server.errors import APIError, from_selfspec_error, internal_error
 from selfspec.server.metrics import Metrics
 from selfspec.server.schemas import (
@@ -86,9 +86,11 @@ class ServerState:
                 top_k=body.top_k or 0, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
                 method=body.method or self.method,
             )
-            if config.method in SPECEE_METHODS and getattr(self.ss.engine, "specee", None) is None:
-                raise APIError(400, f"method '{config.method}' needs SpecEE predictors, and this server's exit head "
-                               "has none", param="method", code="invalid_value")
+            if config.method in SPECEE_METHODS:  # needs the engine's predictors: refuse now, not in the worker
+                try:
+                    self.ss.engine.check_method(config.method)
+                except InvalidConfigError as e:
+                    raise APIError(400, str(e), param="method", code="invalid_value") from e
             validate_request(len(ids), config, context)
         except SelfSpecError as e:
             raise from_selfspec_error(e, param) from e

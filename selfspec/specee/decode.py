@@ -12,7 +12,7 @@ full model would have given the same prefix (when the indebted rows reach the la
 draft token at position p + j runs layers [0, e_j) and exits with its best candidate; the round ends at
 the first token whose predictors do not fire (or after ``max_drafts``), which runs through every layer,
 carrying the drafted rows from their own exit layers (verification starts each token from its exit
-layer); then the usual greedy or rejection-sampling verification. Every layer of every row runs once.
+layer); then the engine's verification of a chain (``Engine.verify_block``). Every layer of every row runs once.
 
 Worked example (verified, L = 30, k = 2): x at p exits at 12 -> d1; d1 at p + 1 exits at 9 -> d2; d2 at
 p + 2 does not fire: layers 0..8 run [d2], 9..11 run [d1, d2], 12..29 run [x, d1, d2]; logits of the
@@ -26,16 +26,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from selfspec.drafting.base import DraftBlock
 from selfspec.models.fast import Norm
-from selfspec.sampling import greedy, logits_to_probs, sample
+from selfspec.sampling import logits_to_probs, pick, sample
 from selfspec.specee.candidates import CandidateScorer, features_list
 from selfspec.specee.predictors import ExitPredictors
 from selfspec.specee.ragged import DebtRow, run_token
 from selfspec.specee.schedule import OnlineSchedule
-from selfspec.verify import greedy_verify, speculative_verify
 
 SPECEE_METHODS = ("specee", "specee-verified")
 MAX_DEBT = 8  # a lossy token with this many indebted rows before it runs every layer (pays the debt)
@@ -158,7 +156,7 @@ class SpecEERunner:
             n = r.states.shape[1]
             rows = r.states if gen.greedy else r.states[:, -1:]
             logits = split.logits(rows)[0]  # [n or 1, vocab]
-            nxt = self._pick(logits[-1], gen, seq)
+            nxt = pick(logits[-1], gen, seq.generator)
             if gen.greedy and n > 1:  # the indebted rows' full-model choices, now known: did their exits agree?
                 full = logits[:-1].argmax(-1).tolist()
                 emitted = seq.tokens[p - n + 2 : p + 1]
@@ -174,15 +172,15 @@ class SpecEERunner:
         stats.record_step(0, 0)
         return [nxt]
 
-    def verified_step(self, seq, gen, max_drafts: int, stats) -> list[int]:
-        """One round of ``specee-verified`` (lossless)."""
-        split, d = self.split, self.drafter
+    def verified_round(self, seq, max_drafts: int, stats) -> tuple[DraftBlock, torch.Tensor]:
+        """Draft one round of ``specee-verified``; returns the drafts and the last-layer states of their rows
+        ``# [1, g + 1, hidden]`` (pending token and drafts), which ``Engine.verify_block`` verifies."""
+        split = self.split
         p, tok = seq.length, seq.pending
         sched: OnlineSchedule = seq.extras["specee_schedule"]
         threshold = self.settings.threshold["specee-verified"]
         debt: list[DebtRow] = []
         drafts: list[int] = []
-        exits: list[int] = []
         h_ks: list[torch.Tensor] = []
         f_prev = None
         for j in range(max_drafts + 1):
@@ -196,32 +194,8 @@ class SpecEERunner:
                 break
             debt = r.debt
             sched.observe(r.exit_layer)
+            stats.exit_layers.append(r.exit_layer)
             drafts.append(r.token)
-            exits.append(r.exit_layer)
             tok, f_prev = r.token, r.f_hat
-        h = r.states  # [1, g + 1, hidden]: every row at the last layer
-        g = len(drafts)
-        assert h.shape[1] == g + 1
-        target_logits = split.logits(h)  # [1, g + 1, vocab]
-        ids = torch.tensor([drafts], dtype=torch.long, device=split.device)  # [1, g]
-        if gen.greedy:
-            res = greedy_verify(ids, target_logits)
-        else:  # one-hot drafts (the exit's best candidate): exactly lossless
-            target_probs = logits_to_probs(target_logits, gen.temperature, gen.top_k, gen.top_p)
-            res = speculative_verify(ids, F.one_hot(ids, split.vocab_size).to(target_probs.dtype), target_probs,
-                                     seq.generator)
-        m, nxt = int(res.num_accepted[0]), int(res.next_token[0])
-        seq.cache.truncate(p + 1 + m)
-        seq.length, seq.pending = p + 1 + m, nxt
-        block = DraftBlock(drafts, None, torch.cat(h_ks, dim=1), start=p, source="specee")
-        d.accepted(seq, block, m, h)
-        stats.record_step(g, m)
-        stats.exit_layers.extend(exits)
-        out = drafts[:m] + [nxt]
-        seq.tokens.extend(out)
-        return out
-
-    def _pick(self, logits: torch.Tensor, gen, seq) -> int:  # [vocab]
-        if gen.greedy:
-            return int(greedy(logits))
-        return int(sample(logits_to_probs(logits, gen.temperature, gen.top_k, gen.top_p), seq.generator))
+        assert r.states.shape[1] == len(drafts) + 1  # every row at the last layer
+        return DraftBlock(drafts, None, torch.cat(h_ks, dim=1), start=p, source="specee"), r.states
