@@ -18,7 +18,7 @@ from typing import Any
 from selfspec.config import DraftConfig, GenerateConfig, ModelConfig
 from selfspec.costs import DraftCosts, measure_draft_costs
 from selfspec.drafting.early_exit import EarlyExitDrafter
-from selfspec.drafting.policies import CostAwarePolicy, make_policy
+from selfspec.drafting.policies import CostAwarePolicy, DepthBandit, ThompsonPolicy, make_policy
 from selfspec.engine import MAX_TREE_NODES, Engine
 from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplateError
 from selfspec.heads.base import ExitHead
@@ -28,6 +28,7 @@ from selfspec.specee.decode import DEFAULT_THRESHOLDS, SpecEERunner, SpecEESetti
 from selfspec.specee.predictors import has_predictors, load_predictors
 from selfspec.stats import GenerationStats
 from selfspec.textstream import TextStream
+from selfspec.tuning import Tuning, head_depths, tuned
 
 Prompt = str | list[dict[str, str]] | list[int]
 MAX_AUTO_GAMMA = 8  # the longest draft the cost-aware choice considers
@@ -83,6 +84,12 @@ class SelfSpec:
         if spec == "auto":
             bundled = bundled_head_dir(self.model_id)
             spec = str(bundled) if bundled is not None and draft.exit_layer in (None, _layer_of(bundled)) else "lm"
+        if spec == "nested":
+            bundled = bundled_head_dir(self.model_id + "-nested")
+            if bundled is None:
+                raise InvalidConfigError(f"no bundled nested head for '{self.model_id}': train one with "
+                                         "`selfspec train-nested` and pass its directory as the head")
+            spec = str(bundled)
         if spec == "lm":
             k = draft.exit_layer if draft.exit_layer is not None else max(1, self.split.num_layers // 4)
             return new_head("lm", self.split, k)
@@ -90,30 +97,59 @@ class SelfSpec:
 
     def set_draft(self, draft: DraftConfig) -> None:
         """Switch exit layer / head / policy / gamma without reloading the model. With ``gamma=None`` the
-        draft length of each step is chosen from forward costs measured here (once per head) and the
-        acceptance observed so far (``CostAwarePolicy``)."""
+        draft is adaptive: its shape comes from a cached calibration (``tune``, selfspec.tuning) and the
+        length of each round from forward costs measured here and the acceptance seen so far (a Thompson
+        posterior per request, or ``CostAwarePolicy``)."""
         head = self.make_head(draft)
-        policy = make_policy(draft.policy, draft.threshold)
-        gamma, lookup_policy = draft.gamma, None
         if draft.lookup < 0 or draft.lookup_ngram < 2:
             raise InvalidConfigError(f"lookup must be >= 0 and lookup_ngram >= 2, got {draft.lookup}, "
                                      f"{draft.lookup_ngram}")
+        if draft.tree_width is not None and draft.tree_width < 0:
+            raise InvalidConfigError(f"tree_width must be >= 0, got {draft.tree_width}")
+        tuning = None
+        if draft.gamma is None and draft.tune != "off":
+            confident = draft.policy in ("auto", "confidence", "thompson-confidence")
+            tuning = self.tuning(head, refresh=draft.tune == "refresh", threshold=draft.threshold if confident else None)
+            if draft.exit_layer is None and tuning.exit_layer in head_depths(head):
+                head.exit_layer = tuning.exit_layer
+            draft = replace(draft, tree_width=tuning.tree_width if draft.tree_width is None else draft.tree_width,
+                            depth_policy=draft.depth_policy or tuning.depth_policy)
         if draft.tree_width is None:  # the head's measured best, else chains
             width = head.recommended_draft.get("tree_width", 0)
             draft = replace(draft, tree_width=width if head.supports_tree else 0)
-        if draft.tree_width < 0:
-            raise InvalidConfigError(f"tree_width must be >= 0, got {draft.tree_width}")
-        if gamma is None:
-            costs = self.draft_costs(head, draft)
-            tree_costs = replace(costs, tree_width=draft.tree_width) if draft.tree_width > 1 else costs
-            policy = CostAwarePolicy(policy, tree_costs)
-            lookup_policy = CostAwarePolicy(make_policy("fixed"), costs.for_lookup(), prior=LOOKUP_PRIOR)
-            gamma = MAX_AUTO_GAMMA if draft.tree_width <= 1 else max(1, min(MAX_AUTO_GAMMA, (MAX_TREE_NODES - 1) // draft.tree_width))
+        if draft.tree_width > 1 and not head.supports_tree:
+            draft = replace(draft, tree_width=0)
+        name = draft.policy if draft.policy != "auto" else ("thompson-confidence" if tuning else "confidence")
+        base = make_policy(name, draft.threshold)
+        policy, gamma, lookup_policy = base, draft.gamma, None
+        if name.startswith("thompson") or gamma is None:
+            costs = {d: self.draft_costs(head, draft, d) for d in head_depths(head)}
+            shaped = {d: replace(c, tree_width=draft.tree_width) if draft.tree_width > 1 else c for d, c in costs.items()}
+            k = head.exit_layer
+            if name.startswith("thompson"):
+                arms = {d: ThompsonPolicy(base, shaped[d], tuning.prior(d) if tuning else 0.35) for d in shaped}
+                policy = DepthBandit(arms, k) if draft.depth_policy == "bandit" and len(arms) > 1 else arms[k]
+            else:
+                policy = CostAwarePolicy(base, shaped[k])
+            if gamma is None:
+                lookup_policy = CostAwarePolicy(make_policy("fixed"), costs[k].for_lookup(), prior=LOOKUP_PRIOR)
+                gamma = MAX_AUTO_GAMMA
+                if draft.tree_width > 1:
+                    gamma = max(1, min(MAX_AUTO_GAMMA, (MAX_TREE_NODES - 1) // draft.tree_width))
+                if tuning is not None:  # the calibrated cap (a little room to explore past the mean optimum)
+                    gamma = min(gamma, max(tuning.gamma, 2))
         drafter = EarlyExitDrafter(self.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy)
         specee = self.specee_runner(head, drafter, draft)
         self.engine = Engine(self.split, drafter, gamma=gamma, tree_width=draft.tree_width, specee=specee)
-        self.draft_config = replace(draft, exit_layer=head.exit_layer)
-        self.head = head
+        self.draft_config = replace(draft, exit_layer=head.exit_layer, policy=name)
+        self.head, self.tuning_result = head, tuning
+
+    def tuning(self, head: ExitHead | None = None, refresh: bool = False, threshold: float | None = None) -> Tuning:
+        """The self-tuning calibration of ``head`` (default: the current one) on this machine (cached);
+        ``threshold``: the confidence stop the draft runs with."""
+        head = head or self.head
+        costs = {d: self.draft_costs(head, None, d) for d in head_depths(head)}
+        return tuned(self.split, head, self.tokenizer, refresh=refresh, costs=costs, threshold=threshold)
 
     def specee_runner(self, head: ExitHead, drafter: EarlyExitDrafter, draft: DraftConfig) -> SpecEERunner | None:
         """SpecEE over ``head``'s candidates, when predictors are found (``DraftConfig.predictors``)."""
@@ -137,11 +173,16 @@ class SelfSpec:
                                   max_layer=max_layer)
         return SpecEERunner(self.split, drafter, preds, settings)
 
-    def draft_costs(self, head: ExitHead, draft: DraftConfig) -> DraftCosts:
-        """Forward costs of ``head``'s draft on this machine (measured once per head, ~1-2 s)."""
-        key = (head.exit_layer, draft.head, head.kind, len(head.vocab_ids))
+    def _cost_key(self, head: ExitHead, depth: int) -> tuple:
+        return depth, head.source or "lm", head.kind, len(head.vocab_ids)
+
+    def draft_costs(self, head: ExitHead, draft: DraftConfig | None = None, depth: int | None = None) -> DraftCosts:
+        """Forward costs of ``head``'s draft at ``depth`` (default: its exit layer) on this machine (measured
+        once per head and depth, ~1-2 s)."""
+        depth = depth or head.exit_layer
+        key = self._cost_key(head, depth)
         if key not in self._costs:
-            self._costs[key] = measure_draft_costs(self.split, head)
+            self._costs[key] = measure_draft_costs(self.split, head, exit_layer=depth)
         return self._costs[key]
 
     # ---- prompts ----------------------------------------------------------------------

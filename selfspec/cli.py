@@ -119,14 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
     from selfspec.train.cli import add_parsers as add_train
     from selfspec.train.deep import add_parser as add_train_deep
     from selfspec.train.features import add_parser as add_features
+    from selfspec.train.nested import add_parser as add_train_nested
     from selfspec.train.predictors import add_parser as add_predictors
 
     add_train(sub)
     add_answers(sub)
     add_features(sub)
     add_train_deep(sub)
+    add_train_nested(sub)
     add_predictors(sub)
     from selfspec.server.app import add_parser as add_serve
+    from selfspec.tuning import add_parser as add_tune
+
+    add_tune(sub)
 
     add_serve(sub)
     return p

@@ -64,10 +64,13 @@ class DraftConfig:
         "i.e. plain decoding); see selfspec/costs.py.",
     )
     policy: str = opt(
-        "confidence",
-        "Drafting policy: 'fixed' (always gamma drafts) or 'confidence' (Kangaroo's second early "
-        "exit: stop when the draft's top-1 probability falls below `threshold`).",
-        choices=["fixed", "confidence"],
+        "auto",
+        "Drafting policy: 'fixed' (always gamma drafts), 'confidence' (Kangaroo's second early exit: stop when "
+        "the draft's top-1 probability falls below `threshold`), 'thompson' (EESD: Beta posteriors on the "
+        "acceptance per draft position, sampled at each draft step against the measured costs; per request, "
+        "seeded), 'thompson-confidence' (both stops) or 'auto' ('thompson-confidence' when the draft is "
+        "self-tuned, else 'confidence').",
+        choices=["auto", "fixed", "confidence", "thompson", "thompson-confidence"],
     )
     threshold: float = opt(
         0.5,
@@ -89,6 +92,22 @@ class DraftConfig:
         "joins as one more branch. The depth is the step's draft length. 0 or 1: a single chain. Needs a "
         "'deep' head or a stateless one ('lm', 'linear'). None: the width measured best for the head "
         "(its head_config.json 'draft'), else 0.",
+    )
+
+    depth_policy: str | None = opt(
+        None,
+        "Nested heads (several exit depths in one file, `selfspec train-nested`): 'fixed' (every round drafts at "
+        "exit_layer) or 'bandit' (each round draws the depth whose Thompson posterior promises the best speed; "
+        "verification starts from that depth). None: the calibration's choice, else 'fixed'.",
+        choices=[None, "fixed", "bandit"],
+    )
+    tune: str = opt(
+        "auto",
+        "Self-tuning (selfspec/tuning.py): 'auto' calibrates once per model, head and machine (~10-30 s, cached; "
+        "`selfspec tune` shows it) and fills exit depth, tree_width, depth_policy, the draft cap and the Thompson "
+        "prior where they are left at None/auto; 'refresh' calibrates again; 'off' uses the fixed defaults. "
+        "Only with gamma=None (an adaptive draft).",
+        choices=["auto", "refresh", "off"],
     )
 
     predictors: str = opt(

@@ -136,9 +136,10 @@ def _interpolate(table: dict[int, float], n: int) -> float:
 
 
 def measure_draft_costs(split: SplitModel, head, context: int = 256, block_sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
-                        reps: int = 6) -> DraftCosts:
-    """Measure what the economics need for ``head`` at its exit layer (a second or two)."""
-    k, L = head.exit_layer, split.num_layers
+                        reps: int = 6, exit_layer: int | None = None) -> DraftCosts:
+    """Measure what the economics need for ``head`` at its exit layer, or at ``exit_layer`` (one of a nested
+    head's depths), in a second or two."""
+    k, L = exit_layer or head.exit_layer, split.num_layers
     deep = {n: time_layers(split, k, L, n, context, reps, lm_head=True) for n in block_sizes}
     shallow = {n: time_layers(split, 0, k, n, context, reps) for n in block_sizes}
     return DraftCosts(k, shallow[1], time_head(head, split, reps), deep, shallow)

@@ -82,7 +82,7 @@ class Engine:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=split.device)
         pos = seq.positions(0, len(prompt_ids))
         if speculative:
-            k = self.drafter.exit_layer
+            k = self.drafter.depth_of(seq)
             h_k = split.run_layers(split.embed(ids), 0, k, pos, seq.cache)
             h = split.run_layers(h_k, k, split.num_layers, pos, seq.cache)
             self.drafter.start(seq, h_k, h)
@@ -108,7 +108,7 @@ class Engine:
         if self.tree_width > 1 and max_drafts > 0 and drafter.supports_tree:
             return self.tree_step(seq, gen, max_drafts, stats, max_drafts if limit is None else limit)
         block = drafter.propose(seq, max_drafts, gen, limit=max_drafts if limit is None else limit)
-        h = split.run_layers(block.exit_states, drafter.exit_layer, split.num_layers,
+        h = split.run_layers(block.exit_states, block.exit_layer or drafter.exit_layer, split.num_layers,
                              seq.positions(p, len(block.tokens) + 1), seq.cache)
         return self.verify_block(seq, gen, block, h, stats)
 
@@ -148,7 +148,7 @@ class Engine:
         block = drafter.propose_tree(seq, depth, self.tree_width, limit)
         tree, n = block.tree, len(block.tree)
         pos = tree.positions(list(range(n)), p, split.device)
-        h = split.run_layers(block.exit_states, drafter.exit_layer, split.num_layers, pos, seq.cache,
+        h = split.run_layers(block.exit_states, block.exit_layer or drafter.exit_layer, split.num_layers, pos, seq.cache,
                              tree=tree.attention(list(range(n)), p, split.device))
         target_logits = split.logits(h)[0]  # [nodes, vocab]
         if gen.greedy:
@@ -159,7 +159,8 @@ class Engine:
         m = len(keep) - 1
         seq.cache.compact(p, keep)
         seq.length, seq.pending = p + 1 + m, nxt
-        path = DraftBlock([tree.tokens[i] for i in keep[1:]], None, block.exit_states[:, keep], start=p)
+        path = DraftBlock([tree.tokens[i] for i in keep[1:]], None, block.exit_states[:, keep], start=p,
+                          exit_layer=block.exit_layer)
         drafter.accepted(seq, path, m, h[:, keep], proposed=depth)
         stats.record_step(depth, m, "early_exit")
         out = path.tokens + [nxt]
@@ -180,6 +181,8 @@ class Engine:
         speculative = (gen.method == "selfspec" or specee) and self.drafter is not None
         t0 = time.perf_counter()
         seq = self.new_sequence(len(prompt_ids), gen)
+        if speculative:
+            self.drafter.begin(seq, gen.seed)
         stats.prompt_tokens = len(prompt_ids)
         first = self.prefill(seq, prompt_ids, gen, speculative)
         seq.tokens = [*prompt_ids, first]
@@ -193,11 +196,11 @@ class Engine:
             if gen.method == "specee":
                 block = self.specee.lossy_step(seq, gen, stats)
             elif gen.method == "specee-verified" and not self.drafter.lookup_available(seq):
-                cap = min(self.specee.settings.max_drafts, self.drafter.policy.max_drafts(self.gamma), remaining - 1)
+                cap = min(self.specee.settings.max_drafts, self.drafter.policy_of(seq).max_drafts(self.gamma), remaining - 1)
                 drafted, h = self.specee.verified_round(seq, cap, stats)
                 block = self.verify_block(seq, gen, drafted, h, stats)
             elif speculative:  # selfspec; specee-verified when a lookup block is there (free drafts, same verification)
-                max_drafts = min(self.drafter.policy.max_drafts(self.gamma), remaining - 1)
+                max_drafts = min(self.drafter.policy_of(seq).max_drafts(self.gamma), remaining - 1)
                 block = self.speculative_step(seq, gen, max_drafts, stats, limit=remaining - 1)
             else:
                 block = [self.decode_one_token(seq, gen)]

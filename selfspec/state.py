@@ -20,6 +20,8 @@ class SequenceState:
     head_state: Any = None  # the exit head's own state (Kangaroo adapter KV), if any
     head_backlog: torch.Tensor | None = None  # [1, b, hidden] exit states of positions the head has not seen
     tokens: list[int] = field(default_factory=list)  # prompt + emitted tokens (pending included): lookup drafts
+    policy: Any = None  # this request's drafting policy (adaptive policies keep per-request state)
+    depth: int | None = None  # exit depth of the next round (a nested head drafts from several)
     extras: dict[str, Any] = field(default_factory=dict)
 
     def positions(self, start: int, n: int) -> torch.Tensor:  # [1, n]

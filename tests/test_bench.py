@@ -237,7 +237,7 @@ def test_method_specs(tiny_ss, tmp_path):
     assert parse_method("x=selfspec-lm-confidence", cfg, tiny_ss).draft.policy == "confidence"
     d = parse_method("selfspec-default", cfg, tiny_ss)  # what a user gets, whatever the bench's defaults
     assert d.name == "selfspec-default" and d.draft.gamma is None and d.draft.lookup > 0
-    assert d.draft.policy == DraftConfig().policy and d.info["costs"]["t_deep"][1] > 0
+    assert d.draft.policy == "thompson-confidence" and d.info["costs"]["t_deep"][1] > 0
     assert parse_method("selfspec:gamma=none,lookup=0", cfg, tiny_ss).draft.lookup == 0
     for bad, msg in (("nope", "unknown method"), ("selfspec-trained", "needs a trained exit head"),
                      ("selfspec:depth=3", "unknown selfspec setting"), ("selfspec:exit_layer=9", "out of range"),

@@ -116,14 +116,26 @@ def test_perfect_and_random_heads_bound_acceptance():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_default_draft_config_is_lossless(arch):
-    """DraftConfig()'s defaults (gamma chosen per round from measured costs, confidence stop) decode
-    exactly transformers' greedy output, whatever length each round picks."""
+    """DraftConfig()'s defaults (self-tuned, Thompson-sampled length per round, confidence stop) and the
+    untuned cost-aware policy decode exactly transformers' greedy output, whatever length each round picks."""
     model = tiny_model(arch)
     ss = SelfSpec(model, None)
-    assert ss.draft_config.gamma is None
+    assert ss.draft_config.gamma is None and ss.draft_config.policy == "thompson-confidence"
     policy = ss.engine.drafter.policy
-    policy.prior, policy.explore_every = 0.9, 2  # make it draft, so rounds of several lengths happen
+    policy.prior, policy.strength = [0.9], 50.0  # make it draft, so rounds of several lengths happen
     policy.base.threshold = 0.05  # the untrained exit of a random model is rarely confident
+    ss.engine.gamma = 4
+    proposed = 0
+    for plen in (3, 17):
+        prompt = prompt_of(plen, 40 + plen)
+        out = ss.generate(prompt, max_new_tokens=NEW)
+        assert out.token_ids == hf_greedy(model, prompt, NEW)
+        proposed += sum(out.stats.proposed_per_position)
+    assert proposed > 0
+    ss.set_draft(DraftConfig(tune="off"))
+    policy = ss.engine.drafter.policy
+    policy.prior, policy.explore_every = 0.9, 2
+    policy.base.threshold = 0.05
     for plen in (3, 17):
         prompt = prompt_of(plen, 40 + plen)
         assert ss.generate(prompt, max_new_tokens=NEW).token_ids == hf_greedy(model, prompt, NEW)

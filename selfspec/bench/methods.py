@@ -9,11 +9,12 @@ Spec strings (``--methods``, repeatable or comma-separated):
     plain                               selfspec's own autoregressive path (``method="plain"``)
     selfspec-lm[-POLICY]                untrained exit (final norm + LM head) at the bench's exit layer
     selfspec-trained[-POLICY]           the trained head (``--head``, or the bundled one) at its own layer
-    selfspec-default                    DraftConfig() as a user gets it: the bundled head if any, the
-                                        confidence policy, gamma chosen from measured costs
+    selfspec-default                    DraftConfig() as a user gets it: the bundled head if any, self-tuned
+                                        (selfspec.tuning), Thompson-sampled draft lengths
     selfspec[:KEY=VALUE,...]            any DraftConfig: exit_layer, head (lm | trained | a head
-                                        directory), gamma, policy, threshold; unset keys take the
-                                        bench's defaults
+                                        directory, nested: the bundled nested head), gamma, policy,
+                                        threshold, tune, depth_policy, ...; unset keys take the bench's
+                                        defaults
     specee-verified[:KEY=VALUE,...]     SpecEE's predictors pick each draft token's exit layer (lossless);
                                         keys: any DraftConfig (specee_threshold, specee_window, ...) over
                                         DraftConfig()'s defaults (the bundled head and its predictors)
@@ -129,7 +130,7 @@ def bench_exit_layer(cfg: BenchConfig, ss: SelfSpec) -> int:
 
 def default_specs(cfg: BenchConfig, ss: SelfSpec) -> list[str]:
     """Every method: the hf peers, plain, and every policy with the untrained and the trained head."""
-    pol = [p for p in policies() if p != "fixed"]
+    pol = [p for p in policies() if p not in ("fixed", "auto")]
     specs = ["hf", "hf-prompt-lookup", "hf-early-exit", "plain", "selfspec-lm", *(f"selfspec-lm-{p}" for p in pol)]
     if trained_head(cfg, ss) is not None:
         specs += ["selfspec-trained", *(f"selfspec-trained-{p}" for p in pol)]
@@ -217,12 +218,19 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
             from selfspec.api import bundled_head_dir
 
             values["head"] = str(bundled_head_dir(ss.model_id) or "lm")
+        if values.get("head") == "nested":  # the bundled nested (multi-depth) head
+            from selfspec.api import bundled_head_dir
+
+            nested = bundled_head_dir(ss.model_id + "-nested")
+            if nested is None:
+                raise InvalidConfigError(f"method '{spec}': no bundled nested head for {ss.model_id}")
+            values["head"] = str(nested)
         if values.get("head", "lm") != "lm" and "exit_layer" not in values:
             values["exit_layer"] = None  # a trained head drafts at its own layer
         draft = replace(draft, **values)
         name = alias
     else:
-        m = re.fullmatch(r"selfspec-(lm|trained)(?:-(\w+))?", base)
+        m = re.fullmatch(r"selfspec-(lm|trained)(?:-([\w-]+))?", base)
         if m is None:
             raise InvalidConfigError(f"unknown method '{spec}' (known: {', '.join(KINDS)}, selfspec-lm[-POLICY], "
                                      f"selfspec-trained[-POLICY], selfspec:KEY=VALUE,..., NAME=SPEC)")

@@ -24,6 +24,7 @@ class DraftBlock:
     exit_states: torch.Tensor | None
     start: int = 0  # position of the pending token (exit_states[:, 0])
     source: str = "early_exit"  # or "lookup" (n-gram match): each source learns its own acceptance
+    exit_layer: int | None = None  # depth the exit states come from (verification starts there); None: the drafter's
     tree: Any = None  # a TokenTree (selfspec.drafting.tree): tokens are its nodes 1.., exit_states all nodes
 
 

@@ -44,13 +44,37 @@ class EarlyExitDrafter:
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
         self.lookup_policy = lookup_policy or FixedPolicy()
 
+    def begin(self, seq: SequenceState, seed: int | None) -> None:
+        """Before a request's prefill: its own policy state (seeded) and its first exit depth."""
+        policy = self.policy
+        seq.policy = policy.for_request(seed) if hasattr(policy, "for_request") else policy
+        seq.depth = getattr(seq.policy, "depth", None) or self.exit_layer
+
+    def policy_of(self, seq: SequenceState):
+        return seq.policy if seq.policy is not None else self.policy
+
+    def depth_of(self, seq: SequenceState) -> int:
+        """The exit depth of ``seq``'s next round (the head's own layer unless a depth policy chose another)."""
+        return seq.depth or self.exit_layer
+
+    def _next_depth(self, seq: SequenceState) -> int:
+        """At the start of a round: take the depth the policy chose (DepthBandit), if any."""
+        depth = getattr(self.policy_of(seq), "depth", None)
+        if depth is not None:
+            seq.depth = depth
+        return self.depth_of(seq)
+
+    def _project(self, h: torch.Tensor, depth: int) -> torch.Tensor:
+        """Exit states as the head reads them (a nested head maps each depth into one space, heads.nested)."""
+        return self.head.project(h, depth) if self.head.needs_context else h
+
     def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor,
               prompt_final_states: torch.Tensor | None = None) -> None:
         """After the prompt's prefill: a stateful head must still see the prompt's exit states
         ``# [1, P, hidden]``; a deep-context head also keeps the final states ``# [1, P, hidden]``."""
         if self.head.stateful:
             seq.head_state = self.head.new_state(seq.cache.capacity)
-            seq.head_backlog = prompt_exit_states
+            seq.head_backlog = self._project(prompt_exit_states, self.depth_of(seq))
         if self.head.needs_context:
             n = prompt_exit_states.shape[1]
             # row j + 1 holds the final state at position j; row 0 (before the first token) is zeros
@@ -71,7 +95,7 @@ class EarlyExitDrafter:
         """Draft logits ``# [vocab]`` for the token after position ``pos`` and the predicted final state
         ``# [1, 1, hidden]`` there. ``f_prev``: the predicted final state of ``pos - 1`` when that token
         is itself a draft (None: it is verified, its true final state is stored)."""
-        start, h = self._with_backlog(seq, h)
+        start, h = self._with_backlog(seq, self._project(h, self.depth_of(seq)))
         n = h.shape[1]
         ctx = seq.extras["finals"][start : start + n].unsqueeze(0)  # [1, n, hidden]: positions start - 1 ...
         if f_prev is not None:
@@ -106,24 +130,25 @@ class EarlyExitDrafter:
         drafts = self._ngram_index(seq).continuation(g)
         if not drafts:
             return None
-        split, p = self.split, seq.length
+        split, p, k = self.split, seq.length, self.depth_of(seq)
         ids = torch.tensor([[seq.pending, *drafts]], dtype=torch.long, device=split.device)
-        states = split.run_layers(split.embed(ids), 0, self.exit_layer, seq.positions(p, len(drafts) + 1), seq.cache)
-        return DraftBlock(list(drafts), None, states, start=p, source="lookup")
+        states = split.run_layers(split.embed(ids), 0, k, seq.positions(p, len(drafts) + 1), seq.cache)
+        return DraftBlock(list(drafts), None, states, start=p, source="lookup", exit_layer=k)
 
     def lookup_available(self, seq: SequenceState) -> bool:
         """Whether a lookup block would be proposed now (the text's last n-gram occurred before)."""
         return self.lookup > 0 and bool(seq.tokens) and bool(self._ngram_index(seq).continuation(1))
 
     def propose(self, seq: SequenceState, max_drafts: int, gen, limit: int | None = None) -> DraftBlock:
+        k, policy = self._next_depth(seq), self.policy_of(seq)
         if self.lookup > 0 and seq.tokens:
             block = self._lookup(seq, max_drafts if limit is None else limit)
             if block is not None:
                 return block
-        split, k = self.split, self.exit_layer
+        split = self.split
         p, tok = seq.length, seq.pending
         sampled = not gen.greedy and gen.draft_sampling == "sample"
-        want_conf = getattr(self.policy, "needs_confidence", False)
+        want_conf = getattr(policy, "needs_confidence", False)
         deep = self.head.needs_context
         states, tokens, probs = [], [], []
         f_hat = None
@@ -143,13 +168,13 @@ class EarlyExitDrafter:
             else:
                 q = None
                 conf = float(torch.softmax(logits, -1).max()) if want_conf else 1.0
-            if not self.policy.keep(i, conf):
+            if not policy.keep(i, conf):
                 break
             tok = int(sample(q, seq.generator)) if sampled else int(greedy(logits))
             tokens.append(tok)
             if q is not None:
                 probs.append(q)
-        return DraftBlock(tokens, torch.stack(probs) if probs else None, torch.cat(states, dim=1), start=p)
+        return DraftBlock(tokens, torch.stack(probs) if probs else None, torch.cat(states, dim=1), start=p, exit_layer=k)
 
     @property
     def supports_tree(self) -> bool:
@@ -160,7 +185,7 @@ class EarlyExitDrafter:
         plus the lookup continuation as one more branch (at most ``limit`` long). Each level's nodes go
         through the shallow layers as one tree block and then through the head (the deepest level skips
         the head), so every node's exit state is ready for verification."""
-        split, k, p, head = self.split, self.exit_layer, seq.length, self.head
+        split, k, p, head = self.split, self._next_depth(seq), seq.length, self.head
         dev = split.device
         tree = TokenTree.root(seq.pending)
         ids = torch.tensor([[seq.pending]], dtype=torch.long, device=dev)
@@ -189,7 +214,7 @@ class EarlyExitDrafter:
                 break
             if head.needs_context:
                 ctx = torch.cat([f for _, _, _, f in cands], dim=1)  # [1, n, hidden]: each parent's f^
-                f_new = head.features(h, ctx, pos, seq.head_state, tree=att)
+                f_new = head.features(self._project(h, k), ctx, pos, seq.head_state, tree=att)
                 logits_new = head.logits_of(f_new)[0]
                 frontier = [(r, logits_new[j], f_new[:, j : j + 1]) for j, r in enumerate(rows)]
             else:  # a stateless head (supports_tree)
@@ -201,7 +226,8 @@ class EarlyExitDrafter:
                 new_ids = torch.tensor([[tree.tokens[i] for i in rows]], dtype=torch.long, device=dev)
                 states.append(split.run_layers(split.embed(new_ids), 0, k, tree.positions(rows, p, dev), seq.cache,
                                                tree=tree.attention(rows, p, dev)))
-        return DraftBlock(tree.tokens[1:], None, torch.cat(states, dim=1), start=p, source="tree", tree=tree)
+        return DraftBlock(tree.tokens[1:], None, torch.cat(states, dim=1), start=p, source="tree", tree=tree,
+                          exit_layer=k)
 
     def accepted(self, seq: SequenceState, block: DraftBlock, num_accepted: int,
                  final_states: torch.Tensor | None = None, proposed: int | None = None) -> None:
@@ -209,7 +235,7 @@ class EarlyExitDrafter:
         ``final_states`` ``# [1, g + 1, hidden]``: the verification's last-layer states of the block.
         ``proposed``: the draft length the policy learns from (default: the block's tokens; a tree's
         accepted path passes the depth the tree was drafted to)."""
-        policy = self.lookup_policy if block.source == "lookup" else self.policy
+        policy = self.lookup_policy if block.source == "lookup" else self.policy_of(seq)
         policy.observe(len(block.tokens) if proposed is None else proposed, num_accepted)
         if self.head.needs_context:
             self._store_finals(seq, block.start, final_states[0, : num_accepted + 1])
@@ -221,6 +247,6 @@ class EarlyExitDrafter:
         # entry at p read the verified f(p - 1) and stays.
         keep = min(seen, p + 1) if self.head.needs_context else min(seen, length)
         self.head.rollback(seq.head_state, keep)
-        new = block.exit_states[:, max(keep, p) - p : length - p]
+        new = self._project(block.exit_states[:, max(keep, p) - p : length - p], block.exit_layer or self.exit_layer)
         old = seq.head_backlog  # positions [keep, p) when the head did not run this round
         seq.head_backlog = new if old is None or old.shape[1] == 0 else torch.cat([old, new], dim=1)

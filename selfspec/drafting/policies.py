@@ -7,12 +7,18 @@ from that). The drafter calls:
     n_max = policy.max_drafts(gamma)            # at the start of a round
     policy.keep(i, top1_prob)                   # before proposing draft token i (0-based)
     policy.observe(proposed, accepted)          # after verification
+
+Adaptive policies keep per-request state: the engine asks ``policy.for_request(seed)`` for a fresh one
+at the start of every request (stateless policies return themselves), so a request's draft decisions
+depend only on its own seed and tokens.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Protocol
 
+from selfspec.costs import DraftCosts, best_gamma, speedup
 from selfspec.errors import InvalidConfigError
 
 
@@ -40,6 +46,9 @@ class FixedPolicy:
 
     def observe(self, proposed: int, accepted: int) -> None:
         return None
+
+    def for_request(self, seed: int | None) -> FixedPolicy:
+        return self
 
 
 class ConfidencePolicy(FixedPolicy):
@@ -87,9 +96,10 @@ class CostAwarePolicy:
             out.append((a + self.prior * self.weight) / (p + self.weight))
         return out
 
-    def max_drafts(self, gamma: int) -> int:
-        from selfspec.costs import best_gamma
+    def for_request(self, seed: int | None) -> CostAwarePolicy:
+        return self  # learns across requests (the default's behaviour since the cost-aware issue)
 
+    def max_drafts(self, gamma: int) -> int:
         self.rounds += 1
         g, gain = best_gamma(self.costs, self.acceptance(gamma), gamma)
         self.last_choice = (g, gain)
@@ -110,9 +120,119 @@ class CostAwarePolicy:
             self.accepted[i] += int(i < accepted)
 
 
+class ThompsonPolicy:
+    """EESD's Thompson-sampled draft length (Liu et al., 2024, "Speculative Decoding via Early-exiting for
+    Faster LLM Inference with Thompson Sampling Control Mechanism").
+
+    The acceptance of draft position i, given that positions < i were accepted, has a Beta(alpha_i, beta_i)
+    posterior. Before each draft token (``keep``) and at the start of a round (``max_drafts``) the policy
+    draws one acceptance rate per position from the posteriors and acts as if the draws were true: it
+    drafts on while some longer round has a better expected speed over plain decoding at the measured
+    costs (selfspec.costs.speedup) than stopping here. Uncertain positions are sometimes drawn high, so
+    the policy keeps exploring; positions that keep failing are drawn low, so it drafts less, down to no
+    drafts at all (plain decoding) when drafting does not pay.
+
+    Worked example (costs where one draft token costs 15% of a plain forward): posteriors Beta(8, 2) at
+    position 0 and Beta(1, 3) at position 1 draw, say, 0.78 and 0.21: one draft gives (1 + 0.78) / 1.2
+    = 1.48x, two give (1 + 0.78 + 0.16) / 1.37 = 1.42x, so the round stops after one draft token.
+    After verification, ``observe(proposed=1, accepted=1)`` adds a success at position 0 (alpha_0 += 1);
+    ``observe(2, 0)`` would add a failure at position 0 and leave position 1 unobserved (it was not
+    reached).
+
+    The policy defers to ``base`` first (the confidence stop, when that is the base), and works for
+    token trees too (a tree's depth is its draft length; its per-depth acceptance is the path's).
+    Per-request state: ``for_request(seed)`` returns a fresh posterior from the prior and an RNG seeded by
+    the request's seed (0 when it has none), so decisions are reproducible.
+    """
+
+    name = "thompson"
+
+    def __init__(self, base: FixedPolicy, costs: DraftCosts, prior: float | list[float] = 0.35,
+                 strength: float = 4.0, seed: int | None = 0, positions: int = 16) -> None:
+        if not 0.0 < strength:
+            raise InvalidConfigError(f"thompson prior strength must be > 0, got {strength}")
+        self.base, self.costs, self.strength = base, costs, strength
+        self.prior = [min(max(p, 0.01), 0.99) for p in (prior if isinstance(prior, list) else [prior])]
+        means = [self.prior[min(i, len(self.prior) - 1)] for i in range(positions)]
+        self.alpha = [m * strength for m in means]
+        self.beta = [(1.0 - m) * strength for m in means]
+        self.needs_confidence = base.needs_confidence
+        self.rng = random.Random(0 if seed is None else seed)
+        self.cap = 0  # this round's longest draft (max_drafts)
+
+    def for_request(self, seed: int | None) -> ThompsonPolicy:
+        return ThompsonPolicy(self.base, self.costs, self.prior, self.strength, seed, len(self.alpha))
+
+    def draw(self, n: int) -> list[float]:
+        """One acceptance rate per position 0..n-1, drawn from the posteriors."""
+        return [self.rng.betavariate(self.alpha[i], self.beta[i]) for i in range(min(n, len(self.alpha)))]
+
+    def mean(self, n: int) -> list[float]:
+        return [self.alpha[i] / (self.alpha[i] + self.beta[i]) for i in range(min(n, len(self.alpha)))]
+
+    def max_drafts(self, gamma: int) -> int:
+        self.cap = best_gamma(self.costs, self.draw(gamma), min(gamma, len(self.alpha)))[0]
+        return self.cap
+
+    def keep(self, index: int, top1_prob: float) -> bool:
+        if not self.base.keep(index, top1_prob):
+            return False
+        if index == 0 or index >= self.cap:
+            return index < max(self.cap, 1)  # max_drafts just drew for this round's first token
+        theta = self.draw(self.cap)  # fresh draws: go on while some longer round (up to the cap) pays more
+        here = speedup(self.costs, theta, index)
+        return any(speedup(self.costs, theta, g) > here for g in range(index + 1, self.cap + 1))
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        self.base.observe(proposed, accepted)
+        for i in range(min(proposed, accepted + 1, len(self.alpha))):
+            if i < accepted:
+                self.alpha[i] += 1.0
+            else:
+                self.beta[i] += 1.0
+
+
+class DepthBandit:
+    """S2D's depth choice as a bandit over a nested head's depths, with the Thompson machinery: each
+    depth has its own costs and per-position posteriors; at the start of a round every depth draws its
+    acceptance rates, and the round drafts at the depth (and length) whose draws promise the best speed
+    over plain decoding. ``depth`` is read by the drafter; verification starts from it."""
+
+    def __init__(self, arms: dict[int, ThompsonPolicy], default: int) -> None:
+        self.arms, self.depth = arms, default
+        self.name = "thompson-depth"
+        self.needs_confidence = any(a.needs_confidence for a in arms.values())
+        self.picks: dict[int, int] = dict.fromkeys(arms, 0)
+
+    def for_request(self, seed: int | None) -> DepthBandit:
+        return DepthBandit({d: a.for_request(None if seed is None else seed + d) for d, a in self.arms.items()},
+                           self.depth)
+
+    def max_drafts(self, gamma: int) -> int:
+        best = (-1.0, self.depth, 0)
+        for d, arm in self.arms.items():
+            g, gain = best_gamma(arm.costs, arm.draw(gamma), min(gamma, len(arm.alpha)))
+            if gain > best[0]:
+                best = (gain, d, g)
+        _, self.depth, g = best
+        self.arms[self.depth].cap = g
+        self.picks[self.depth] += 1
+        return g
+
+    def keep(self, index: int, top1_prob: float) -> bool:
+        return self.arms[self.depth].keep(index, top1_prob)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        self.arms[self.depth].observe(proposed, accepted)
+
+
+POLICIES = ("fixed", "confidence", "thompson", "thompson-confidence")
+
+
 def make_policy(name: str, threshold: float = 0.6) -> FixedPolicy:
-    if name == "fixed":
+    """The per-token base policy of ``name`` (thompson variants are built over it with costs, api.set_draft)."""
+    if name in ("fixed", "thompson"):
         return FixedPolicy()
-    if name == "confidence":
+    if name in ("confidence", "thompson-confidence"):
         return ConfidencePolicy(threshold)
-    raise InvalidConfigError(f"unknown drafting policy '{name}' (known: fixed, confidence)")
+    raise InvalidConfigError(f"unknown drafting policy '{name}' (known: {', '.join(POLICIES)})")

@@ -62,6 +62,10 @@ class DeepContextHead(DecoderLayerHead):
         x = self.fuse(torch.cat([self.norm_h(h), self.norm_f(context.to(h.dtype))], dim=-1))
         return self.run_block(x, positions, state, tree)
 
+    def project(self, h: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+        """Exit states -> what ``features`` reads: themselves (a nested head maps each depth, heads.nested)."""
+        return h
+
     def logits_of(self, f_hat: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] float32
         return self.lm_logits(self.norm_out(f_hat))
 

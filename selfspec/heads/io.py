@@ -16,10 +16,12 @@ from selfspec.heads.deep import DeepContextHead
 from selfspec.heads.kangaroo import KangarooAdapter
 from selfspec.heads.layer import DecoderLayerHead
 from selfspec.heads.linear import LinearHead
+from selfspec.heads.nested import NestedDeepHead
 from selfspec.models.split import SplitModel
 
 HEAD_KINDS: dict[str, type[ExitHead]] = {
     "kangaroo": KangarooAdapter, "linear": LinearHead, "layer": DecoderLayerHead, "deep": DeepContextHead,
+    "nested": NestedDeepHead,
 }
 CONFIG_NAME, WEIGHTS_NAME = "head_config.json", "head.safetensors"
 
@@ -73,9 +75,13 @@ def save_head(head: ExitHead, path: str | Path, extra: dict[str, Any] | None = N
 def load_head(path: str | Path, split: SplitModel, exit_layer: int | None = None) -> ExitHead:
     cfg = read_head_config(path)
     check_fingerprint(cfg.get("model", {}), split, f"'{path}'")
+    depths = cfg.get("args", {}).get("depths", [cfg["exit_layer"]])
+    if exit_layer is not None and exit_layer in depths:  # a nested head drafts from any of its depths
+        cfg = {**cfg, "exit_layer": exit_layer}
     if exit_layer is not None and exit_layer != cfg["exit_layer"]:
         raise HeadMismatchError(
             f"exit head '{path}' was trained for exit layer {cfg['exit_layer']}, not {exit_layer}"
+            + (f" (its depths: {depths})" if len(depths) > 1 else "")
         )
     head = new_head(cfg["kind"], split, cfg["exit_layer"], **cfg.get("args", {}))
     state = load_file(str(Path(path) / WEIGHTS_NAME), device=str(split.device))

@@ -1,0 +1,195 @@
+"""Sorted training of a nested exit head (heads.nested, S2D) from stored features (``selfspec train-nested``).
+
+Every step trains all depths on the same batch, so each depth is usable alone while they share the
+decoder-layer copy, the fuse and the LM head:
+
+    loss = sum_d deep_loss(head at depth d)            # each depth alone (pass 1 + the unrolled pass 2)
+         + mixed_weight * deep_loss(random depth per position, no unroll)   # what per-step switching reads
+
+deep_loss is train-deep's (selfspec.train.deep). Starting from a trained deep head (``init``) keeps its
+depth exactly as it was at step 0 (A_d = I) and teaches the other depths to map into its input space.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from selfspec.config import opt
+from selfspec.errors import InvalidConfigError
+from selfspec.heads.io import load_head, new_head, save_head
+from selfspec.heads.nested import NestedDeepHead
+from selfspec.models.split import SplitModel
+from selfspec.progress import progress
+from selfspec.train.deep import DeepTrainConfig, _batches, _collate, deep_loss, evaluate_deep
+from selfspec.train.features import load_features
+from selfspec.train.trainer import cosine_lr
+
+
+@dataclass
+class NestedTrainConfig(DeepTrainConfig):
+    """Settings of ``selfspec train-nested`` (train-deep's, plus the depths)."""
+
+    depths: str = opt("1,2,4", "Exit depths the nested head drafts from (comma-separated; each must be stored in "
+                      "the features). `exit_layer` is the default depth and must be one of them.")
+    mixed_weight: float = opt(0.5, "Weight of the pass where each position reads a random depth (per-step switching).")
+
+
+class DepthView:
+    """The nested head at one depth, with the interface train-deep's loss and evaluation use."""
+
+    def __init__(self, head: NestedDeepHead, depth: int | None) -> None:
+        self.head, self.depth = head, depth
+        self.norm_out = head.norm_out
+
+    def features(self, h: torch.Tensor, ctx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        u = h if self.depth is None else self.head.project(h, self.depth)
+        return self.head.features(u, ctx, pos)
+
+    def eval(self) -> None:
+        self.head.eval()
+
+    def train(self) -> None:
+        self.head.train()
+
+
+def parse_depths(text: str) -> list[int]:
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError as e:
+        raise InvalidConfigError(f"depths must be comma-separated integers, got '{text}'") from e
+
+
+def nested_loss(head: NestedDeepHead, lm_rows: torch.Tensor, batches: dict[int, dict[str, torch.Tensor]],
+                cfg: NestedTrainConfig, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+    """``batches``: depth -> collated batch (same conversations; only ``h`` differs)."""
+    total, metrics = 0.0, {}
+    for d, batch in batches.items():
+        loss, m = deep_loss(DepthView(head, d), lm_rows, batch, cfg)
+        total = total + loss
+        metrics[f"top1_d{d}"] = m["top1"]
+    metrics["tokens"] = m["tokens"]
+    if cfg.mixed_weight > 0:
+        depths = list(batches)
+        first = batches[depths[0]]
+        pick = torch.randint(len(depths), first["h"].shape[:2], generator=gen)  # [B, T] depth index per position
+        u = torch.stack([head.project(batches[d]["h"], d) for d in depths])  # [D, B, T, H]
+        mixed = dict(first, h=u.gather(0, pick[None, ..., None].expand(1, *u.shape[1:]))[0])
+        loss, m = deep_loss(DepthView(head, None), lm_rows, mixed, replace(cfg, unroll_weight=0.0))
+        total = total + cfg.mixed_weight * loss
+        metrics["top1_mixed"] = m["top1"]
+    return total, metrics
+
+
+def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[NestedDeepHead, dict[str, Any]]:
+    depths = parse_depths(cfg.depths)
+    if cfg.exit_layer not in depths:
+        raise InvalidConfigError(f"exit_layer {cfg.exit_layer} must be one of the depths {depths}")
+    keys = [f"h{d}" for d in depths]
+    train = load_features(cfg.features, [*keys, "final"], cfg.max_tokens)
+    missing = [k for k in keys if k not in train.tensors]
+    if missing:
+        raise InvalidConfigError(f"depths {missing} are not stored in {cfg.features} (collect-features --layers)")
+    held_sets = {d.strip(): load_features(d.strip(), [*keys, "final"]) for d in cfg.heldout_features.split(",")
+                 if d.strip()}
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    head = new_head("nested", split, cfg.exit_layer, depths=depths)
+    head.init_from_target()
+    vocab_ids = None
+    if cfg.init:
+        start = load_head(cfg.init, split)
+        if start.kind not in ("deep", "nested"):
+            raise InvalidConfigError(f"--init '{cfg.init}' is a '{start.kind}' head, not a deep or nested one")
+        head.load_state_dict({k: v for k, v in start.state_dict().items() if k != "vocab_ids"}, strict=False)
+        vocab_ids = start.vocab_ids if len(start.vocab_ids) else None
+    head.float().train().requires_grad_(True)
+    if vocab_ids is None and cfg.vocab_trim > 0:
+        labels = train.tensors["label"].long()
+        vocab_ids = torch.bincount(labels, minlength=split.vocab_size).argsort(descending=True)[: cfg.vocab_trim]
+    label_map = None
+    if vocab_ids is not None:
+        label_map = torch.full((split.vocab_size,), -100, dtype=torch.long)
+        label_map[vocab_ids] = torch.arange(len(vocab_ids))
+    lm_rows = split.lm_head.weight.detach().float()
+    lm_rows = lm_rows[vocab_ids] if vocab_ids is not None else lm_rows
+
+    def evaluate() -> dict[str, dict[int, dict[str, float]]]:
+        return {name: {d: evaluate_deep(DepthView(head, d), lm_rows, fs, replace(cfg, exit_layer=d), label_map)
+                       for d in depths} for name, fs in held_sets.items()}
+
+    per_epoch = len(_batches(train, cfg.batch_tokens, cfg.seed, 0))
+    total = max(1, int(per_epoch * cfg.epochs))
+    opt_ = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step, history = 0, []
+    ckpt = out.with_name(out.name + ".checkpoint.pt")
+    if cfg.resume and ckpt.is_file():
+        state = torch.load(ckpt)
+        head.load_state_dict(state["head"])
+        opt_.load_state_dict(state["opt"])
+        step, history = state["step"], state["history"]
+    before = evaluate() if step == 0 else {}
+    gen = torch.Generator().manual_seed(cfg.seed)
+    bar = progress(total=total, initial=step, desc=f"train nested head @ depths {depths}", unit="step")
+    t0, budget = time.perf_counter(), cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
+    order: tuple[int, list[list[int]]] = (-1, [])
+    while step < total and time.perf_counter() - t0 < budget:
+        epoch, within = divmod(step, per_epoch)
+        if epoch != order[0]:
+            order = (epoch, _batches(train, cfg.batch_tokens, cfg.seed, epoch))
+        idx = order[1][within]
+        for g in opt_.param_groups:
+            g["lr"] = cosine_lr(step, total, cfg.lr, cfg.warmup, floor=0.05)
+        batches = {d: _collate(train, idx, d, label_map, cfg.assistant_only) for d in depths}
+        loss, m = nested_loss(head, lm_rows, batches, cfg, gen)
+        opt_.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt_.step()
+        step += 1
+        history.append({"step": step, "loss": float(loss.detach()), **m})
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **{k: f"{v:.2f}" for k, v in m.items() if k.startswith("top1")})
+        bar.update()
+        if step % cfg.checkpoint_every == 0 or step == total:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt_.state_dict(), "step": step, "history": history}, tmp)
+            os.replace(tmp, ckpt)
+    bar.close()
+    head.eval().requires_grad_(False)
+    after = evaluate()
+    report = {"config": asdict(cfg), "depths": depths, "steps": step, "total_steps": total,
+              "train_tokens": train.num_tokens, "heldout_before": before, "heldout_after": after,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    head.to(dtype=split.dtype)
+    if vocab_ids is not None:
+        head.trim_vocab(vocab_ids)
+    save_head(head, out, extra={"training": report})
+    (out / "train_report.json").write_text(json.dumps(report | {"history": history}, indent=1))
+    return head, report
+
+
+def add_parser(sub: Any) -> None:
+    from selfspec.cli import add_config_args
+    from selfspec.config import ModelConfig
+
+    p = sub.add_parser("train-nested", help="Sorted training of a nested (multi-depth) exit head from stored features.")
+    add_config_args(p, ModelConfig)
+    add_config_args(p, NestedTrainConfig)
+    p.set_defaults(func=cmd_train_nested)
+
+
+def cmd_train_nested(args: Any) -> int:
+    from selfspec.cli import config_from_args
+    from selfspec.train.cli import load_target
+
+    ss = load_target(args)
+    _, report = train_nested_head(ss.split, config_from_args(args, NestedTrainConfig))
+    print(json.dumps({k: report[k] for k in ("steps", "seconds", "heldout_after")}, indent=2))
+    return 0

@@ -1,0 +1,274 @@
+"""Adaptive drafting: EESD's Thompson-sampled draft length, S2D's nested multi-depth heads and the
+self-tuning calibration. Posteriors learn from verification, decisions are seeded per request, every
+depth (and a switch of depth between rounds) stays lossless with every cache consistent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ARCHS, VOCAB, hf_greedy, tiny_model, tiny_tokenizer
+from test_engine_equality import NEW, prompt_of
+
+from selfspec import DraftConfig, SelfSpec
+from selfspec.costs import DraftCosts
+from selfspec.drafting.policies import ConfidencePolicy, DepthBandit, FixedPolicy, ThompsonPolicy
+from selfspec.errors import ExitLayerError, HeadMismatchError
+from selfspec.heads.io import load_head, new_head, save_head
+from selfspec.tuning import cache_path, format_tuning, load_cached
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def costs(draft_share: float = 0.1) -> DraftCosts:
+    """Costs where one draft token costs ``draft_share`` of a plain forward and verifying a block is cheap."""
+    return DraftCosts(2, t_shallow=draft_share * 0.5, t_head=draft_share * 0.5,
+                      t_deep={1: 0.95, 2: 1.0, 4: 1.05, 8: 1.15, 16: 1.3})
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+
+
+# ---- Thompson policy ---------------------------------------------------------------------------------
+def test_thompson_posterior_updates_are_conditional():
+    p = ThompsonPolicy(FixedPolicy(), costs(), prior=0.5, strength=2.0)
+    p.observe(proposed=3, accepted=1)  # position 0 accepted, position 1 rejected, position 2 never reached
+    assert p.alpha[:3] == [2.0, 1.0, 1.0] and p.beta[:3] == [1.0, 2.0, 1.0]
+    p.observe(proposed=2, accepted=2)  # both accepted
+    assert p.alpha[:2] == [3.0, 2.0] and p.beta[:2] == [1.0, 2.0]
+    assert p.mean(2) == [0.75, 0.5]
+
+
+def test_thompson_is_seeded_per_request():
+    shared = ThompsonPolicy(FixedPolicy(), costs(), prior=0.5)
+    a, b, c = shared.for_request(7), shared.for_request(7), shared.for_request(8)
+
+    def decisions(p):
+        out = []
+        for i in range(40):
+            g = p.max_drafts(6)
+            out.append(g)
+            p.observe(g, min(g, i % 3))
+        return out
+
+    assert decisions(a) == decisions(b)
+    assert decisions(a) != decisions(c)
+    assert shared.alpha == ThompsonPolicy(FixedPolicy(), costs(), prior=0.5).alpha  # requests never touch the shared one
+
+
+def test_thompson_drafts_more_when_acceptance_is_high():
+    def mean_drafts(rate: float) -> float:
+        p = ThompsonPolicy(FixedPolicy(), costs(), prior=0.5).for_request(0)
+        g = torch.Generator().manual_seed(0)
+        total = 0
+        for _ in range(200):
+            n = p.max_drafts(8)
+            kept = n
+            for i in range(1, n):  # the per-token decision can end the round early
+                if not p.keep(i, 1.0):
+                    kept = i
+                    break
+            accepted = 0
+            while accepted < kept and float(torch.rand(1, generator=g)) < rate:
+                accepted += 1
+            p.observe(kept, accepted)
+            total += kept
+        return total / 200
+
+    high, low = mean_drafts(0.9), mean_drafts(0.1)
+    assert high > 3.0 and low < 0.6 and high > 4 * low
+
+
+def test_thompson_defers_to_the_confidence_stop():
+    p = ThompsonPolicy(ConfidencePolicy(0.5), costs(), prior=0.99, strength=1000.0)
+    assert p.keep(0, 0.9) and not p.keep(0, 0.2) and p.needs_confidence
+
+
+def test_depth_bandit_prefers_the_depth_that_pays():
+    cheap_bad = ThompsonPolicy(FixedPolicy(), costs(0.05), prior=0.05, strength=50.0)
+    dear_good = ThompsonPolicy(FixedPolicy(), costs(0.15), prior=0.9, strength=50.0)
+    bandit = DepthBandit({1: cheap_bad, 3: dear_good}, default=1).for_request(0)
+    for _ in range(30):
+        g = bandit.max_drafts(6)
+        bandit.observe(g, g)
+    assert bandit.picks[3] > 25
+
+
+# ---- engine: lossless with the adaptive policies --------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_thompson_policies_are_lossless(arch):
+    model = tiny_model(arch)
+    ss = SelfSpec(model, None)
+    drafted = 0
+    for policy in ("thompson", "thompson-confidence"):
+        for tree in (0, 2):
+            ss.set_draft(DraftConfig(exit_layer=2, head="lm", gamma=4, policy=policy, threshold=0.1, tree_width=tree,
+                                     lookup=0))
+            ss.engine.drafter.policy.prior, ss.engine.drafter.policy.strength = [0.8], 20.0  # make it draft
+            for plen in (1, 9):
+                prompt = prompt_of(plen, plen + 3)
+                out = ss.generate(prompt, max_new_tokens=NEW)
+                assert out.token_ids == hf_greedy(model, prompt, NEW), (policy, tree, plen)
+                drafted += sum(out.stats.proposed_per_position)
+    assert drafted > 0
+
+
+def nested_ss(arch: str, tmp_path, depths=(1, 2, 3), seed: int = 0) -> SelfSpec:
+    """A tiny model with a saved nested head (random-ish maps, so depths draft differently)."""
+    ss = SelfSpec(tiny_model(arch), None, DraftConfig(head="lm", exit_layer=1, gamma=1))
+    head = new_head("nested", ss.split, 2, depths=list(depths))
+    head.init_from_target()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    save_head(head, tmp_path / f"nested-{arch}")
+    return ss
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nested_head_every_depth_and_the_bandit_are_lossless(arch, tmp_path):
+    ss = nested_ss(arch, tmp_path)
+    where = str(tmp_path / f"nested-{arch}")
+    prompt = prompt_of(9, 5)
+    ref = hf_greedy(ss.model, prompt, NEW)
+    for depth in (1, 2, 3):
+        ss.set_draft(DraftConfig(head=where, exit_layer=depth, gamma=3, lookup=0, policy="fixed"))
+        assert ss.head.exit_layer == depth
+        assert ss.generate(prompt, max_new_tokens=NEW).token_ids == ref, depth
+    ss.set_draft(DraftConfig(head=where, gamma=3, lookup=4, policy="thompson", depth_policy="bandit"))
+    assert isinstance(ss.engine.drafter.policy, DepthBandit)
+    assert ss.generate(prompt, max_new_tokens=NEW).token_ids == ref
+
+
+def test_nested_head_checks_its_depths(tmp_path):
+    ss = nested_ss("llama", tmp_path)
+    with pytest.raises(HeadMismatchError, match=r"its depths: \[1, 2, 3\]"):
+        load_head(tmp_path / "nested-llama", ss.split, exit_layer=4)
+    with pytest.raises(ExitLayerError):
+        new_head("nested", ss.split, 2, depths=[1, 3])  # the default depth must be one of them
+    head = load_head(tmp_path / "nested-llama", ss.split, exit_layer=3)
+    assert head.exit_layer == 3 and head.depths == [1, 2, 3]
+    with pytest.raises(ExitLayerError):
+        head.project(torch.zeros(1, 1, ss.split.hidden_size), 4)
+
+
+class SwitchEveryRound(FixedPolicy):
+    """Cycles through depths round by round (what a bandit does at its most restless)."""
+
+    def __init__(self, depths):
+        self.depths, self.i, self.depth = list(depths), 0, depths[0]
+
+    def max_drafts(self, gamma):
+        self.depth = self.depths[self.i % len(self.depths)]
+        self.i += 1
+        return gamma
+
+
+@pytest.mark.parametrize("tree", [0, 2])
+def test_depth_switch_mid_generation_keeps_every_cache_consistent(tmp_path, tree):
+    ss = nested_ss("llama", tmp_path, seed=3)
+    ss.set_draft(DraftConfig(head=str(tmp_path / "nested-llama"), gamma=3, lookup=4, policy="fixed", tree_width=tree))
+    ss.engine.drafter.policy = SwitchEveryRound([1, 3, 2])
+    engine, split = ss.engine, ss.split
+    prompt = [5, 6, 7, 5, 6, 7, 8, 9, 10]
+    seqs = []
+    inner = engine.new_sequence
+
+    def keep(*a, **kw):
+        seqs.append(inner(*a, **kw))
+        return seqs[-1]
+
+    engine.new_sequence = keep
+    out = ss.generate(prompt, max_new_tokens=NEW, ignore_eos=True)
+    assert out.token_ids == hf_greedy(ss.model, prompt, NEW)
+    assert len(set(seqs[0].policy.depths)) == 3 and seqs[0].policy.i > 5
+    seq = seqs[0]
+    ids = torch.tensor([prompt + out.token_ids[:-1]])  # every token but the pending one is in the cache
+    assert all(n == ids.shape[1] for n in seq.cache.lengths[: split.num_layers])
+    with torch.inference_mode():
+        ref = split.new_cache(ids.shape[1])
+        split.forward_all(ids, torch.arange(ids.shape[1])[None], ref)
+    for layer in range(split.num_layers):
+        n = ids.shape[1]
+        torch.testing.assert_close(seq.cache.keys[layer][..., :n, :], ref.keys[layer][..., :n, :], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(seq.cache.values[layer][..., :n, :], ref.values[layer][..., :n, :],
+                                   atol=1e-4, rtol=1e-4)
+
+
+def _second_token_tv(ss: SelfSpec, prompt: list[int], n: int, seed: int) -> float:
+    with torch.inference_mode():
+        x = torch.tensor([prompt])
+        p1 = torch.softmax(ss.model(x).logits[0, -1] / 0.8, -1)
+        xs = torch.cat([x.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], 1)
+        exact = p1 @ torch.softmax(ss.model(xs).logits[:, -1] / 0.8, -1)
+    counts = torch.zeros(VOCAB)
+    for s in range(n):
+        out = ss.generate(prompt, max_new_tokens=2, temperature=0.8, seed=seed + s, ignore_eos=True)
+        counts[out.token_ids[1]] += 1
+    return 0.5 * float((counts / n - exact).abs().sum())
+
+
+def test_nested_bandit_and_thompson_sampling_keep_the_distribution(tmp_path):
+    ss = nested_ss("llama", tmp_path)
+    prompt = [5, 6, 7, 8]
+    n = 1200
+    ss.set_draft(DraftConfig(head="lm", exit_layer=2, gamma=1, lookup=0))
+    plain = _second_token_tv(ss, prompt, n, 0)
+    ss.set_draft(DraftConfig(head=str(tmp_path / "nested-llama"), gamma=3, lookup=0, policy="thompson",
+                             depth_policy="bandit"))
+    ss.engine.drafter.policy = DepthBandit({d: ThompsonPolicy(FixedPolicy(), costs(), prior=0.9, strength=100.0)
+                                           for d in (1, 2, 3)}, 2)  # always drafts, at every depth
+    nested = _second_token_tv(ss, prompt, n, 10_000)
+    assert nested < max(1.5 * plain, plain + 0.03)
+    a = ss.generate(prompt, max_new_tokens=12, temperature=0.8, seed=3).token_ids
+    assert a == ss.generate(prompt, max_new_tokens=12, temperature=0.8, seed=3).token_ids
+
+
+# ---- self-tuning ---------------------------------------------------------------------------------------
+def test_calibration_is_cached_shown_and_overridable(tmp_path):
+    ss = nested_ss("llama", tmp_path)
+    where = str(tmp_path / "nested-llama")
+    ss.set_draft(DraftConfig(head=where))  # gamma=None, tune='auto': calibrates on first use
+    t = ss.tuning_result
+    assert t is not None and set(t.acceptance) == {f"{d}/{w}" for d in (1, 2, 3) for w in (0, 2)}
+    assert ss.head.exit_layer == t.exit_layer and ss.draft_config.tree_width == t.tree_width
+    assert ss.draft_config.policy == "thompson-confidence"
+    path = cache_path(t.key)
+    assert json.loads(path.read_text())["exit_layer"] == t.exit_layer
+    assert load_cached(t.key) == t
+    ss.set_draft(DraftConfig(head=where))  # cached: the very same result, no calibration
+    assert ss.tuning_result == t
+    ss.set_draft(DraftConfig(head=where, exit_layer=3, tree_width=0, depth_policy="fixed"))  # user settings win
+    assert ss.head.exit_layer == 3 and ss.draft_config.tree_width == 0 and ss.draft_config.depth_policy == "fixed"
+    ss.set_draft(DraftConfig(head=where, tune="off"))
+    assert ss.tuning_result is None and ss.draft_config.policy == "confidence"
+    assert "chosen: exit depth" in format_tuning(t)
+    prompt = prompt_of(9, 2)
+    ss.set_draft(DraftConfig(head=where))
+    assert ss.generate(prompt, max_new_tokens=NEW).token_ids == hf_greedy(ss.model, prompt, NEW)
+
+
+def test_an_exit_that_never_agrees_tunes_down_to_plain_decoding():
+    """An untrained exit at layer 1 of a random model rarely agrees: the calibration finds nothing pays and
+    the online policy then almost never drafts."""
+    ss = SelfSpec(tiny_model("qwen2"), tiny_tokenizer(), DraftConfig(head="lm", exit_layer=1, lookup=0))
+    t = ss.tuning_result
+    assert t.gamma == 0 and t.predicted_speedup == 1.0
+    out = ss.generate(prompt_of(9, 4), max_new_tokens=40, ignore_eos=True)
+    assert sum(out.stats.proposed_per_position) <= 8  # a little exploration, then plain steps
+    assert out.token_ids == hf_greedy(ss.model, prompt_of(9, 4), 40)
+
+
+def test_tune_command_prints_the_calibration(tmp_path, capsys):
+    from selfspec.cli import main
+
+    model_dir = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    assert main(["tune", "--model", str(model_dir), "--head", "lm", "--exit-layer", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: exit depth 2" in out and "| 2/0 |" in out and "cache:" in out
