@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .install.stamp
 
-.PHONY: install demo test lint bench-quick train-default train-deep train-deep-own train-predictors clean
+.PHONY: install demo test lint bench-quick train-default train-deep train-deep-own train-predictors train-nested clean
 
 $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
@@ -66,6 +66,17 @@ train-deep-own: install
 train-predictors: install
 	$(PYTHON) -m selfspec train-predictors --threads 2 --source runs/own/train.json --max-conversations 260 \
 		--heldout-conversations 40 --out runs/predictors/bundled
+
+# The bundled nested head (selfspec/assets/heads/SmolLM2-135M-Instruct-nested, docs/ADAPTIVE.md): sorted training of
+# exits at depths 1, 2 and 4 from the features train-deep collected (layers 1,2,4 are stored), starting from the
+# deep head; two time-boxed rounds (~35 min with the held-out evaluations).
+train-nested: install
+	$(PYTHON) -m selfspec train-nested --threads 2 --exit-layer 2 --depths 1,2,4 --init runs/deep-k2-own \
+		--features runs/features/own-train,runs/features/train --heldout-features runs/features/own-heldout,runs/features/heldout \
+		--lr 1e-3 --warmup 5 --epochs 0.4 --minutes 15 --out runs/nested-124
+	$(PYTHON) -m selfspec train-nested --threads 2 --exit-layer 2 --depths 1,2,4 --init runs/nested-124 \
+		--features runs/features/own-train,runs/features/train --heldout-features runs/features/own-heldout \
+		--lr 5e-4 --warmup 2 --epochs 0.3 --minutes 13 --seed 1 --out runs/nested-124b
 
 clean:
 	rm -f $(STAMP)

@@ -108,8 +108,7 @@ class SelfSpec:
             raise InvalidConfigError(f"tree_width must be >= 0, got {draft.tree_width}")
         tuning = None
         if draft.gamma is None and draft.tune != "off":
-            confident = draft.policy in ("auto", "confidence", "thompson-confidence")
-            tuning = self.tuning(head, refresh=draft.tune == "refresh", threshold=draft.threshold if confident else None)
+            tuning = self.tuning(head, refresh=draft.tune == "refresh")
             if draft.exit_layer is None and tuning.exit_layer in head_depths(head):
                 head.exit_layer = tuning.exit_layer
             draft = replace(draft, tree_width=tuning.tree_width if draft.tree_width is None else draft.tree_width,
@@ -120,7 +119,11 @@ class SelfSpec:
         if draft.tree_width > 1 and not head.supports_tree:
             draft = replace(draft, tree_width=0)
         name = draft.policy if draft.policy != "auto" else ("thompson-confidence" if tuning else "confidence")
-        base = make_policy(name, draft.threshold)
+        threshold = draft.threshold
+        if threshold is None:  # the calibration's confidence stop, else 0.5 (measured best for the bundled head)
+            threshold = tuning.threshold if tuning is not None else 0.5
+            draft = replace(draft, threshold=threshold)
+        base = make_policy(name, threshold)
         policy, gamma, lookup_policy = base, draft.gamma, None
         if name.startswith("thompson") or gamma is None:
             costs = {d: self.draft_costs(head, draft, d) for d in head_depths(head)}
@@ -131,25 +134,27 @@ class SelfSpec:
                 policy = DepthBandit(arms, k) if draft.depth_policy == "bandit" and len(arms) > 1 else arms[k]
             else:
                 policy = CostAwarePolicy(base, shaped[k])
-            if gamma is None:
+            if gamma is None and tuning is None:
                 lookup_policy = CostAwarePolicy(make_policy("fixed"), costs[k].for_lookup(), prior=LOOKUP_PRIOR)
+            # Self-tuned: lookup blocks at full length (`lookup`) whenever there is a match. In the 20-per-group
+            # ablation (docs/BENCHMARKS.md) the cost-aware lookup length cost the adaptive drafts 0.2x hf.
+            if gamma is None:
                 gamma = MAX_AUTO_GAMMA
                 if draft.tree_width > 1:
                     gamma = max(1, min(MAX_AUTO_GAMMA, (MAX_TREE_NODES - 1) // draft.tree_width))
-                if tuning is not None:  # the calibrated cap (a little room to explore past the mean optimum)
-                    gamma = min(gamma, max(tuning.gamma, 2))
+                if tuning is not None:  # the calibrated cap (the replayed optimum; 1 when nothing paid, to explore)
+                    gamma = min(gamma, max(tuning.gamma, 1))
         drafter = EarlyExitDrafter(self.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy)
         specee = self.specee_runner(head, drafter, draft)
         self.engine = Engine(self.split, drafter, gamma=gamma, tree_width=draft.tree_width, specee=specee)
         self.draft_config = replace(draft, exit_layer=head.exit_layer, policy=name)
         self.head, self.tuning_result = head, tuning
 
-    def tuning(self, head: ExitHead | None = None, refresh: bool = False, threshold: float | None = None) -> Tuning:
-        """The self-tuning calibration of ``head`` (default: the current one) on this machine (cached);
-        ``threshold``: the confidence stop the draft runs with."""
+    def tuning(self, head: ExitHead | None = None, refresh: bool = False) -> Tuning:
+        """The self-tuning calibration of ``head`` (default: the current one) on this machine (cached)."""
         head = head or self.head
         costs = {d: self.draft_costs(head, None, d) for d in head_depths(head)}
-        return tuned(self.split, head, self.tokenizer, refresh=refresh, costs=costs, threshold=threshold)
+        return tuned(self.split, head, self.tokenizer, refresh=refresh, costs=costs)
 
     def specee_runner(self, head: ExitHead, drafter: EarlyExitDrafter, draft: DraftConfig) -> SpecEERunner | None:
         """SpecEE over ``head``'s candidates, when predictors are found (``DraftConfig.predictors``)."""

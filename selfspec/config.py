@@ -72,10 +72,11 @@ class DraftConfig:
         "self-tuned, else 'confidence').",
         choices=["auto", "fixed", "confidence", "thompson", "thompson-confidence"],
     )
-    threshold: float = opt(
-        0.5,
-        "Confidence threshold of the 'confidence' policy (Kangaroo uses 0.6; 0.5 measured best for the "
-        "default model's trained head, docs/TRAINING.md).",
+    threshold: float | None = opt(
+        None,
+        "Confidence threshold of the 'confidence' policies (Kangaroo uses 0.6). None: the self-tuning "
+        "calibration's choice (it replays its recorded drafts under several thresholds), else 0.5 (measured best "
+        "for the default model's trained head, docs/TRAINING.md).",
     )
 
     lookup: int = opt(
@@ -103,7 +104,7 @@ class DraftConfig:
     )
     tune: str = opt(
         "auto",
-        "Self-tuning (selfspec/tuning.py): 'auto' calibrates once per model, head and machine (~10-30 s, cached; "
+        "Self-tuning (selfspec/tuning.py): 'auto' calibrates once per model, head and machine (~10-40 s, cached; "
         "`selfspec tune` shows it) and fills exit depth, tree_width, depth_policy, the draft cap and the Thompson "
         "prior where they are left at None/auto; 'refresh' calibrates again; 'off' uses the fixed defaults. "
         "Only with gamma=None (an adaptive draft).",

@@ -36,7 +36,7 @@ from selfspec.heads.base import ExitHead, model_fingerprint
 from selfspec.models.split import SplitModel
 from selfspec.progress import progress
 
-TUNING_VERSION = 2
+TUNING_VERSION = 4
 CALIBRATION_PROMPTS = [  # short, varied: chat, code, math, extraction (Spec-Bench's are never used to tune)
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a hash map works and write a Python function that counts word frequencies.",
@@ -46,7 +46,8 @@ CALIBRATION_PROMPTS = [  # short, varied: chat, code, math, extraction (Spec-Ben
 CHAIN_CAP = 5  # the fixed draft length acceptance is measured with (positions beyond it repeat the last)
 TREE_CAP = 4  # ... and the depth of the trees
 TREE_WIDTHS = (0, 2)  # tree widths tried for heads that support trees
-NEAR = 0.03  # depths whose predicted speedups lie within this of the best share rounds (bandit)
+NEAR = 0.03
+THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # confidence stops the calibration replays (0: none)  # depths whose predicted speedups lie within this of the best share rounds (bandit)
 
 
 @dataclass
@@ -58,8 +59,9 @@ class Tuning:
     gamma: int  # the draft cap the online policy works under (0: drafting does not pay, decode plainly)
     depth_policy: str  # 'fixed' or 'bandit' (nested heads: per-round choice among near-equal depths)
     predicted_speedup: float  # over plain decoding, at the chosen shape
+    threshold: float = 0.0  # the confidence stop that replayed best (0: none)
     acceptance: dict[str, list[float]] = field(default_factory=dict)  # "depth/width" -> per-position acceptance
-    predicted: dict[str, list[float]] = field(default_factory=dict)  # "depth/width" -> [best gamma, speedup]
+    predicted: dict[str, list[float]] = field(default_factory=dict)  # "depth/width" -> [gamma, speedup, threshold]
     costs_ms: dict[str, dict[str, Any]] = field(default_factory=dict)  # depth -> measured costs (ms)
     seconds: float = 0.0  # how long the calibration took
     key: dict[str, Any] = field(default_factory=dict)  # what the cache entry is valid for
@@ -75,13 +77,13 @@ def head_depths(head: ExitHead) -> list[int]:
     return list(getattr(head, "depths", [head.exit_layer]))
 
 
-def tuning_key(split: SplitModel, head: ExitHead, threshold: float | None = None) -> dict[str, Any]:
+def tuning_key(split: SplitModel, head: ExitHead) -> dict[str, Any]:
     head_id = head.source or f"{head.kind}@{head.exit_layer}"
     if head.source and (Path(head.source) / "head.safetensors").is_file():
         head_id += f"#{(Path(head.source) / 'head.safetensors').stat().st_size}"
     weights = round(float(split.lm_head.weight[:4].double().sum()), 6)  # tells random test models apart
     return {"version": TUNING_VERSION, "model": model_fingerprint(split), "weights": weights, "head": head_id, "kind": head.kind,
-            "vocab_drafted": len(head.vocab_ids), "threshold": threshold, "dtype": str(split.dtype), "backend": split.backend,
+            "vocab_drafted": len(head.vocab_ids), "dtype": str(split.dtype), "backend": split.backend,
             "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "device": str(split.device)}
 
@@ -105,23 +107,55 @@ def load_cached(key: dict[str, Any]) -> Tuning | None:
 
 
 class _Recorder(FixedPolicy):
-    """Fixed-length drafts at one depth (cut by the confidence stop when a threshold is given); records
-    conditional acceptance per position."""
+    """Fixed-length drafts at one depth; records every round: the draft's confidence at each position and
+    how many drafts were accepted (so any confidence stop can be simulated afterwards, ``simulate``)."""
 
-    def __init__(self, depth: int, n: int, threshold: float | None = None) -> None:
-        self.depth, self.hits, self.trials = depth, [0] * n, [0] * n
-        self.threshold, self.needs_confidence = threshold, threshold is not None
+    needs_confidence = True
+
+    def __init__(self, depth: int, n: int) -> None:
+        self.depth, self.n = depth, n
+        self.rounds: list[tuple[list[float], int]] = []
+        self._confs: list[float] = []
+
+    def max_drafts(self, gamma: int) -> int:
+        self._confs = []
+        return gamma
 
     def keep(self, index: int, top1_prob: float) -> bool:
-        return self.threshold is None or top1_prob >= self.threshold
+        self._confs.append(top1_prob)
+        return True
 
     def observe(self, proposed: int, accepted: int) -> None:
-        for i in range(min(proposed, accepted + 1, len(self.hits))):
-            self.trials[i] += 1
-            self.hits[i] += int(i < accepted)
+        self.rounds.append((self._confs[:proposed] or [1.0] * proposed, accepted))
 
-    def acceptance(self, prior: float = 0.35, weight: float = 2.0) -> list[float]:
-        return [(h + prior * weight) / (t + weight) for h, t in zip(self.hits, self.trials)]
+    def acceptance(self, threshold: float = 0.0, prior: float = 0.35, weight: float = 2.0) -> list[float]:
+        """Conditional acceptance per position of the drafts a confidence stop at ``threshold`` lets through."""
+        hits, trials = [0] * self.n, [0] * self.n
+        for confs, accepted in self.rounds:
+            for i in range(min(_drafted(confs, threshold, self.n), accepted + 1)):
+                trials[i] += 1
+                hits[i] += int(i < accepted)
+        return [(h + prior * weight) / (t + weight) for h, t in zip(hits, trials)]
+
+
+def _drafted(confs: list[float], threshold: float, cap: int) -> int:
+    """Drafts a round keeps under a confidence stop: up to the first one below ``threshold``, at most ``cap``."""
+    n = min(len(confs), cap)
+    return next((i for i in range(n) if confs[i] < threshold), n)
+
+
+def simulate(costs: DraftCosts, rounds: list[tuple[list[float], int]], threshold: float, cap: int) -> float:
+    """Speed over plain decoding of chains cut by a confidence stop at ``threshold`` and at ``cap`` drafts,
+    replayed on recorded rounds at the measured costs. A round stopped early still paid the head on the
+    token it stopped at; cap 0 is plain decoding (1.0)."""
+    if cap == 0 or not rounds:
+        return 1.0
+    tokens = seconds = 0.0
+    for confs, accepted in rounds:
+        n = _drafted(confs, threshold, cap)
+        tokens += min(accepted, n) + 1
+        seconds += costs.round_cost(n) + (costs.t_head if n < min(cap, len(confs)) else 0.0)
+    return tokens * costs.t_plain / seconds
 
 
 def calibration_prompts(tokenizer: Any, vocab_size: int) -> list[list[int]]:
@@ -142,29 +176,28 @@ def calibration_prompts(tokenizer: Any, vocab_size: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def measure_acceptance(split: SplitModel, head: ExitHead, depth: int, width: int, prompts: list[list[int]],
-                       new_tokens: int, threshold: float | None = None) -> list[float]:
-    """Conditional acceptance per draft position at ``depth`` (chains, or trees of ``width``), greedy; with
-    ``threshold``, of the drafts the confidence stop lets through (what a confidence policy verifies)."""
+def record_rounds(split: SplitModel, head: ExitHead, depth: int, width: int, prompts: list[list[int]],
+                  new_tokens: int) -> _Recorder:
+    """Decode ``prompts`` greedily with fixed drafts at ``depth`` (chains, or trees of ``width``), recording
+    every round's confidences and accepted count."""
     from selfspec.engine import MAX_TREE_NODES, Engine
 
     cap = CHAIN_CAP if width <= 1 else min(TREE_CAP, max(1, (MAX_TREE_NODES - 1) // width))
-    rec = _Recorder(depth, cap, threshold if width <= 1 else None)
+    rec = _Recorder(depth, cap)
     engine = Engine(split, EarlyExitDrafter(split, head, rec, lookup=0), gamma=cap, tree_width=width)
     gen = GenerateConfig(max_new_tokens=new_tokens, ignore_eos=True)
     for ids in prompts:
         room = split.context_length - new_tokens - 1
         for _ in engine.generate_tokens(ids[-room:], gen):
             pass
-    return rec.acceptance()
+    return rec
 
 
 def calibrate(split: SplitModel, head: ExitHead, tokenizer: Any = None, new_tokens: int = 32,
-              costs: dict[int, DraftCosts] | None = None, threshold: float | None = None) -> Tuning:
+              costs: dict[int, DraftCosts] | None = None) -> Tuning:
     """Measure costs and acceptance at every depth and tree width the head offers; choose the best shape.
-    ``threshold``: the confidence stop the draft will run with (chains only; trees draft by path score)."""
-    from selfspec.engine import MAX_TREE_NODES
-
+    Chains are replayed under every confidence threshold in THRESHOLDS and every draft cap (``simulate``);
+    trees (which draft by path score) by their acceptance per depth (costs.best_gamma)."""
     t0 = time.perf_counter()
     depths = head_depths(head)
     widths = TREE_WIDTHS if head.supports_tree else (0,)
@@ -177,24 +210,29 @@ def calibrate(split: SplitModel, head: ExitHead, tokenizer: Any = None, new_toke
     bar = progress(total=len(depths) * len(widths), desc="calibrating the draft", unit="shape", inner=True)
     for d in depths:
         for w in widths:
-            acc = measure_acceptance(split, head, d, w, prompts, new_tokens, threshold)
-            cap = CHAIN_CAP if w <= 1 else min(TREE_CAP, max(1, (MAX_TREE_NODES - 1) // w))
-            shaped = costs[d] if w <= 1 else DraftCosts(**{**asdict(costs[d]), "tree_width": w})
-            g, gain = best_gamma(shaped, acc, cap)
-            acceptance[f"{d}/{w}"], predicted[f"{d}/{w}"] = acc, [g, gain]
+            rec = record_rounds(split, head, d, w, prompts, new_tokens)
+            if w <= 1:
+                g, th, gain = max(((g, th, simulate(costs[d], rec.rounds, th, g)) for th in THRESHOLDS
+                                   for g in range(CHAIN_CAP + 1)), key=lambda t: t[2])
+                acc = rec.acceptance(th)
+            else:
+                acc, th = rec.acceptance(), 0.0
+                shaped = DraftCosts(**{**asdict(costs[d]), "tree_width": w})
+                g, gain = best_gamma(shaped, acc, rec.n)
+            acceptance[f"{d}/{w}"], predicted[f"{d}/{w}"] = acc, [g, gain, th]
             bar.update()
     bar.close()
     best = max(predicted, key=lambda s: predicted[s][1])
     depth, width = (int(x) for x in best.split("/"))
-    g, gain = predicted[best]
+    g, gain, th = predicted[best]
     near = [s for s in predicted if s.endswith(f"/{width}") and predicted[s][1] >= gain * (1 - NEAR)]
     return Tuning(
-        exit_layer=depth, tree_width=width, gamma=min(g + 2, 8) if g > 0 else 0,
-        depth_policy="bandit" if len(near) > 1 else "fixed", predicted_speedup=round(gain, 4),
+        exit_layer=depth, tree_width=width, gamma=g,
+        depth_policy="bandit" if len(near) > 1 else "fixed", predicted_speedup=round(gain, 4), threshold=th,
         acceptance={s: [round(a, 4) for a in v] for s, v in acceptance.items()},
-        predicted={s: [v[0], round(v[1], 4)] for s, v in predicted.items()},
+        predicted={s: [v[0], round(v[1], 4), v[2]] for s, v in predicted.items()},
         costs_ms={str(d): _costs_ms(c) for d, c in costs.items()},
-        seconds=round(time.perf_counter() - t0, 2), key=tuning_key(split, head, threshold),
+        seconds=round(time.perf_counter() - t0, 2), key=tuning_key(split, head),
     )
 
 
@@ -204,13 +242,13 @@ def _costs_ms(c: DraftCosts) -> dict[str, Any]:
 
 
 def tuned(split: SplitModel, head: ExitHead, tokenizer: Any = None, refresh: bool = False,
-          costs: dict[int, DraftCosts] | None = None, threshold: float | None = None) -> Tuning:
+          costs: dict[int, DraftCosts] | None = None) -> Tuning:
     """The cached calibration of this model + head on this machine, made now when missing (or ``refresh``)."""
-    key = tuning_key(split, head, threshold)
+    key = tuning_key(split, head)
     found = None if refresh else load_cached(key)
     if found is not None:
         return found
-    result = calibrate(split, head, tokenizer, costs=costs, threshold=threshold)
+    result = calibrate(split, head, tokenizer, costs=costs)
     path = cache_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -222,12 +260,13 @@ def tuned(split: SplitModel, head: ExitHead, tokenizer: Any = None, refresh: boo
 def format_tuning(t: Tuning) -> str:
     """A readable table of a calibration (``selfspec tune``)."""
     lines = [f"chosen: exit depth {t.exit_layer}, tree width {t.tree_width}, draft cap {t.gamma}, "
-             f"depth policy {t.depth_policy}; predicted {t.predicted_speedup:.2f}x plain "
+             f"confidence stop {t.threshold:g}, depth policy {t.depth_policy}; predicted {t.predicted_speedup:.2f}x plain "
              f"(calibrated in {t.seconds:.1f} s)", "",
-             "| depth/width | acceptance per position | best gamma | predicted vs plain |", "|---|---|---|---|"]
+             "| depth/width | acceptance per position | best gamma | confidence stop | predicted vs plain |",
+             "|---|---|---|---|---|"]
     for shape, acc in t.acceptance.items():
-        g, gain = t.predicted[shape]
-        lines.append(f"| {shape} | {' '.join(f'{a:.2f}' for a in acc)} | {g} | {gain:.2f}x |")
+        g, gain, th = t.predicted[shape]
+        lines.append(f"| {shape} | {' '.join(f'{a:.2f}' for a in acc)} | {g} | {th:g} | {gain:.2f}x |")
     lines += ["", "| depth | shallow ms | head ms | plain ms | deep ms (1 / 4 / 16 rows) |", "|---|---|---|---|---|"]
     for d, c in t.costs_ms.items():
         deep = " / ".join(str(c["deep"].get(n, "-")) for n in ("1", "4", "16"))

@@ -229,6 +229,24 @@ def test_nested_bandit_and_thompson_sampling_keep_the_distribution(tmp_path):
 
 
 # ---- self-tuning ---------------------------------------------------------------------------------------
+def test_calibration_replays_confidence_stops_on_recorded_rounds():
+    from selfspec.tuning import _Recorder, simulate
+
+    c = costs()
+    rounds = [([0.9, 0.2], 2), ([0.3, 0.9], 0)]  # (confidence per draft position, drafts accepted)
+    # stop at 0.5: round 1 keeps one draft (accepted) and paid the head on the second; round 2 keeps none
+    want = (2 + 1) * c.t_plain / (c.round_cost(1) + c.t_head + c.round_cost(0) + c.t_head)
+    assert simulate(c, rounds, 0.5, 2) == pytest.approx(want)
+    want = (3 + 1) * c.t_plain / (c.round_cost(2) + c.round_cost(2))  # no stop: both rounds draft two
+    assert simulate(c, rounds, 0.0, 2) == pytest.approx(want)
+    assert simulate(c, rounds, 0.0, 0) == 1.0
+    rec = _Recorder(2, 2)
+    rec.rounds = rounds
+    # under the 0.5 stop only round 1's first draft is verified (accepted): 1 of 1 at position 0
+    assert rec.acceptance(0.5, prior=0.0, weight=1.0)[0] == pytest.approx(1 / 2)
+    assert rec.acceptance(0.0, prior=0.0, weight=1.0)[:2] == pytest.approx([1 / 3, 1 / 2])
+
+
 def test_calibration_is_cached_shown_and_overridable(tmp_path):
     ss = nested_ss("llama", tmp_path)
     where = str(tmp_path / "nested-llama")

@@ -128,3 +128,30 @@ def test_answer_prompts_are_the_targets_greedy_answers_and_resume(sharegpt_file,
     both = load_features(f"{tmp_path / 'f'}, {tmp_path / 'f'}")  # comma-separated directories: their union
     assert both.num_tokens == 2 * one.num_tokens and len(both) == 2 * len(one)
     assert torch.equal(both.sequence(len(one))["ids"], one.sequence(0)["ids"])
+
+
+def test_train_nested_every_depth_learns_and_decodes_losslessly(sharegpt_file, tmp_path):
+    """Sorted training: every depth improves on its held-out top-1, the artifact loads at each depth and the
+    engine decodes with it losslessly; resuming a finished run trains no further steps."""
+    from selfspec.train.nested import NestedTrainConfig, train_nested_head
+
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
+    feats = FeatureConfig(out=str(tmp_path / "f"), source=str(sharegpt_file), layers="1,2,3", max_tokens=96)
+    collect_features(ss.split, ss.tokenizer, feats)
+    cfg = NestedTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=2, depths="1,2,3",
+                            out=str(tmp_path / "n"), epochs=6, batch_tokens=400, lr=5e-3, warmup=2, vocab_trim=40)
+    head, report = train_nested_head(ss.split, cfg)
+    before, after = report["heldout_before"][feats.out], report["heldout_after"][feats.out]
+    for d in (1, 2, 3):
+        assert after[d]["top1"] > before[d]["top1"] + 0.05, d
+    assert head.kind == "nested" and head.depths == [1, 2, 3]
+    prompt = ss.encode([{"role": "user", "content": "the cat sat on"}])
+    ref = hf_greedy(ss.model, prompt, 20)
+    for d in (1, 3):
+        ss.set_draft(DraftConfig(head=cfg.out, exit_layer=d, gamma=3, lookup=0, policy="fixed"))
+        out = ss.generate(prompt, max_new_tokens=20)
+        assert out.token_ids == ref and sum(out.stats.accepted_per_position) > 0, d
+    _, again = train_nested_head(ss.split, cfg)
+    assert again["steps"] == report["steps"] and again["heldout_before"] == {}
+    with pytest.raises(InvalidConfigError, match="must be one of the depths"):
+        train_nested_head(ss.split, NestedTrainConfig(features=feats.out, exit_layer=4, depths="1,2"))

@@ -247,6 +247,8 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
         name += f"{draft.threshold:g}" if draft.policy != "fixed" else ""
     info = {"exit_layer": draft.exit_layer, "num_layers": ss.split.num_layers, "head_kind": ss.head.kind,
             "kernel": ss.split.kernel, "costs": ss.draft_costs(ss.head, draft).to_dict()}
+    if ss.tuning_result is not None:  # the self-tuning calibration the method ran with
+        info["tuning"] = ss.tuning_result.to_dict()
     if draft.head != "lm":
         from selfspec.heads.io import read_head_config
 

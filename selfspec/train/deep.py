@@ -155,6 +155,56 @@ def evaluate_deep(head: DeepContextHead, lm_rows: torch.Tensor, fs: FeatureSet, 
     return out | {"tokens": n, "label_in_vocab": share}
 
 
+def resume(head: torch.nn.Module, ckpt: Path, cfg: DeepTrainConfig) -> tuple[int, list[dict[str, Any]]]:
+    """(step, history) of a killed run's checkpoint, loaded into ``head`` (the optimizer state is loaded by
+    ``train_steps``); (0, []) for a fresh run."""
+    if cfg.resume and ckpt.is_file():
+        state = torch.load(ckpt)
+        head.load_state_dict(state["head"])
+        return state["step"], state["history"]
+    return 0, []
+
+
+def train_steps(head: torch.nn.Module, train: FeatureSet, cfg: DeepTrainConfig, ckpt: Path, step: int,
+                history: list[dict[str, Any]], step_loss: Any, desc: str) -> tuple[int, list, float, int]:
+    """The optimizer loop shared by train-deep and train-nested: a fixed batch order per epoch (so a resumed
+    run continues the same way), warm-up + cosine learning rate, clipping, a checkpoint every
+    ``checkpoint_every`` steps, stop at ``epochs`` or ``minutes``. ``step_loss(conversation indices)`` ->
+    (loss, metrics). Returns (step, history, start time, total steps)."""
+    per_epoch = len(_batches(train, cfg.batch_tokens, cfg.seed, 0))
+    total = max(1, int(per_epoch * cfg.epochs))
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if step > 0:
+        opt.load_state_dict(torch.load(ckpt)["opt"])
+    bar = progress(total=total, initial=step, desc=desc, unit="step")
+    t0, seen = time.perf_counter(), 0
+    order: tuple[int, list[list[int]]] = (-1, [])
+    budget = cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
+    while step < total and time.perf_counter() - t0 < budget:
+        epoch, within = divmod(step, per_epoch)
+        if epoch != order[0]:  # the epoch's batch order, drawn once
+            order = (epoch, _batches(train, cfg.batch_tokens, cfg.seed, epoch))
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(step, total, cfg.lr, cfg.warmup, floor=0.05)
+        loss, m = step_loss(order[1][within])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        seen += m["tokens"]
+        history.append({"step": step, "loss": float(loss.detach()), **m})
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tok_s=f"{seen / (time.perf_counter() - t0):.0f}",
+                        **{k: f"{v:.2f}" for k, v in m.items() if k.startswith("top1")})
+        bar.update()
+        if step % cfg.checkpoint_every == 0 or step == total:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history}, tmp)
+            os.replace(tmp, ckpt)
+    bar.close()
+    return step, history, t0, total
+
+
 def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContextHead, dict[str, Any]]:
     key = f"h{cfg.exit_layer}"
     train = load_features(cfg.features, [key, "final"], cfg.max_tokens)
@@ -183,45 +233,16 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
         label_map[vocab_ids] = torch.arange(len(vocab_ids))
     lm_rows = split.lm_head.weight.detach().float()
     lm_rows = lm_rows[vocab_ids] if vocab_ids is not None else lm_rows
-    per_epoch = len(_batches(train, cfg.batch_tokens, cfg.seed, 0))
-    total = max(1, int(per_epoch * cfg.epochs))
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step, history = 0, []
     ckpt = out.with_name(out.name + ".checkpoint.pt")  # beside the head: saving the head replaces its directory
-    if cfg.resume and ckpt.is_file():
-        state = torch.load(ckpt)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        step, history = state["step"], state["history"]
+    step, history = resume(head, ckpt, cfg)
     before = ({d: evaluate_deep(head, lm_rows, fs, cfg, label_map) for d, fs in held_sets.items()}
               if step == 0 else {})
-    bar = progress(total=total, initial=step, desc=f"train deep head @ layer {cfg.exit_layer}", unit="step")
-    t0, seen = time.perf_counter(), 0
-    order: tuple[int, list[list[int]]] = (-1, [])
-    budget = cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
-    while step < total and time.perf_counter() - t0 < budget:
-        epoch, within = divmod(step, per_epoch)
-        if epoch != order[0]:  # the epoch's batch order, drawn once
-            order = (epoch, _batches(train, cfg.batch_tokens, cfg.seed, epoch))
-        idx = order[1][within]
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, total, cfg.lr, cfg.warmup, floor=0.05)
-        loss, m = deep_loss(head, lm_rows, _collate(train, idx, cfg.exit_layer, label_map, cfg.assistant_only), cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        step += 1
-        seen += m["tokens"]
-        history.append({"step": step, "loss": float(loss.detach()), **m})
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{m['top1']:.2f}",
-                        tok_s=f"{seen / (time.perf_counter() - t0):.0f}")
-        bar.update()
-        if step % cfg.checkpoint_every == 0 or step == total:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history}, tmp)
-            os.replace(tmp, ckpt)
-    bar.close()
+
+    def step_loss(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        return deep_loss(head, lm_rows, _collate(train, idx, cfg.exit_layer, label_map, cfg.assistant_only), cfg)
+
+    step, history, t0, total = train_steps(head, train, cfg, ckpt, step, history, step_loss,
+                                           f"train deep head @ layer {cfg.exit_layer}")
     head.eval().requires_grad_(False)
     after = {d: evaluate_deep(head, lm_rows, fs, cfg, label_map) for d, fs in held_sets.items()}
     first = next(iter(held_sets), None)  # heldout_before / _after: the first set; heldout_sets: every one

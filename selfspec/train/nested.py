@@ -13,7 +13,6 @@ depth exactly as it was at step 0 (A_d = I) and teaches the other depths to map 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -26,10 +25,8 @@ from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import load_head, new_head, save_head
 from selfspec.heads.nested import NestedDeepHead
 from selfspec.models.split import SplitModel
-from selfspec.progress import progress
-from selfspec.train.deep import DeepTrainConfig, _batches, _collate, deep_loss, evaluate_deep
+from selfspec.train.deep import DeepTrainConfig, _collate, deep_loss, evaluate_deep, resume, train_steps
 from selfspec.train.features import load_features
-from selfspec.train.trainer import cosine_lr
 
 
 @dataclass
@@ -125,43 +122,17 @@ def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[Nested
         return {name: {d: evaluate_deep(DepthView(head, d), lm_rows, fs, replace(cfg, exit_layer=d), label_map)
                        for d in depths} for name, fs in held_sets.items()}
 
-    per_epoch = len(_batches(train, cfg.batch_tokens, cfg.seed, 0))
-    total = max(1, int(per_epoch * cfg.epochs))
-    opt_ = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step, history = 0, []
     ckpt = out.with_name(out.name + ".checkpoint.pt")
-    if cfg.resume and ckpt.is_file():
-        state = torch.load(ckpt)
-        head.load_state_dict(state["head"])
-        opt_.load_state_dict(state["opt"])
-        step, history = state["step"], state["history"]
+    step, history = resume(head, ckpt, cfg)
     before = evaluate() if step == 0 else {}
     gen = torch.Generator().manual_seed(cfg.seed)
-    bar = progress(total=total, initial=step, desc=f"train nested head @ depths {depths}", unit="step")
-    t0, budget = time.perf_counter(), cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
-    order: tuple[int, list[list[int]]] = (-1, [])
-    while step < total and time.perf_counter() - t0 < budget:
-        epoch, within = divmod(step, per_epoch)
-        if epoch != order[0]:
-            order = (epoch, _batches(train, cfg.batch_tokens, cfg.seed, epoch))
-        idx = order[1][within]
-        for g in opt_.param_groups:
-            g["lr"] = cosine_lr(step, total, cfg.lr, cfg.warmup, floor=0.05)
+
+    def step_loss(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         batches = {d: _collate(train, idx, d, label_map, cfg.assistant_only) for d in depths}
-        loss, m = nested_loss(head, lm_rows, batches, cfg, gen)
-        opt_.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt_.step()
-        step += 1
-        history.append({"step": step, "loss": float(loss.detach()), **m})
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **{k: f"{v:.2f}" for k, v in m.items() if k.startswith("top1")})
-        bar.update()
-        if step % cfg.checkpoint_every == 0 or step == total:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "opt": opt_.state_dict(), "step": step, "history": history}, tmp)
-            os.replace(tmp, ckpt)
-    bar.close()
+        return nested_loss(head, lm_rows, batches, cfg, gen)
+
+    step, history, t0, total = train_steps(head, train, cfg, ckpt, step, history, step_loss,
+                                           f"train nested head @ depths {depths}")
     head.eval().requires_grad_(False)
     after = evaluate()
     report = {"config": asdict(cfg), "depths": depths, "steps": step, "total_steps": total,
