@@ -133,6 +133,8 @@ class Engine:
         seq.length, seq.pending = p + 1 + m, nxt
         self.drafter.accepted(seq, block, m, h)
         stats.record_step(g, m, block.source)
+        if g and block.source != "lookup" and block.exit_layer is not None:
+            stats.draft_depths[block.exit_layer] = stats.draft_depths.get(block.exit_layer, 0) + 1
         out = block.tokens[:m] + [nxt]
         seq.tokens.extend(out)
         return out
@@ -163,6 +165,7 @@ class Engine:
                           exit_layer=block.exit_layer)
         drafter.accepted(seq, path, m, h[:, keep], proposed=depth)
         stats.record_step(depth, m, "early_exit")
+        stats.draft_depths[block.exit_layer] = stats.draft_depths.get(block.exit_layer, 0) + 1
         out = path.tokens + [nxt]
         seq.tokens.extend(out)
         return out

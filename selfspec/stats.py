@@ -21,6 +21,7 @@ class GenerationStats:
     predictor_time: float = 0.0  # SpecEE: seconds in candidate features + predictors
     exit_compared: int = 0  # lossy SpecEE: early-exit tokens whose full-model choice became known
     exit_agreed: int = 0  # ... and equalled what the exit emitted (greedy)
+    draft_depths: dict[int, int] = field(default_factory=dict)  # exit depth -> draft rounds from it (early exit, trees)
     prefill_time: float = 0.0  # seconds, prompt forward and first token
     wall_time: float = 0.0  # seconds, whole generation (prefill included)
 
@@ -103,4 +104,6 @@ class GenerationStats:
                f"{1000 * self.predictor_time:.0f} ms" if self.exit_layers else "")
             + (f", exits agreeing with the full model {self.exit_agreed}/{self.exit_compared}"
                if self.exit_compared else "")
+            + (", rounds per depth " + " ".join(f"{d}:{n}" for d, n in sorted(self.draft_depths.items()))
+               if len(self.draft_depths) > 1 else "")
         )
