@@ -126,10 +126,11 @@ class SelfSpec:
         base = make_policy(name, threshold)
         policy, gamma, lookup_policy = base, draft.gamma, None
         if name.startswith("thompson") or gamma is None:
-            costs = {d: self.draft_costs(head, draft, d) for d in head_depths(head)}
+            thompson = name.startswith("thompson")  # only a Thompson policy drafts at other depths (the bandit)
+            costs = {d: self.draft_costs(head, draft, d) for d in (head_depths(head) if thompson else [head.exit_layer])}
             shaped = {d: replace(c, tree_width=draft.tree_width) if draft.tree_width > 1 else c for d, c in costs.items()}
             k = head.exit_layer
-            if name.startswith("thompson"):
+            if thompson:
                 arms = {d: ThompsonPolicy(base, shaped[d], tuning.prior(d) if tuning else 0.35) for d in shaped}
                 policy = DepthBandit(arms, k) if draft.depth_policy == "bandit" and len(arms) > 1 else arms[k]
             else:

@@ -205,6 +205,17 @@ def train_steps(head: torch.nn.Module, train: FeatureSet, cfg: DeepTrainConfig, 
     return step, history, t0, total
 
 
+def save_trained(head: DeepContextHead, split: SplitModel, vocab_ids: torch.Tensor | None, out: Path,
+                 report: dict[str, Any], history: list[dict[str, Any]]) -> None:
+    """Save a trained head in the target's dtype, over its draft vocabulary, with its training report
+    (in head_config.json, and with the per-step history in train_report.json)."""
+    head.to(dtype=split.dtype)
+    if vocab_ids is not None:
+        head.trim_vocab(vocab_ids)
+    save_head(head, out, extra={"training": report})
+    (out / "train_report.json").write_text(json.dumps(report | {"history": history}, indent=1))
+
+
 def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContextHead, dict[str, Any]]:
     key = f"h{cfg.exit_layer}"
     train = load_features(cfg.features, [key, "final"], cfg.max_tokens)
@@ -250,11 +261,7 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
               "train_conversations": len(train), "heldout_before": before.get(first), "heldout_after": after.get(first),
               "heldout_sets": {d: {"before": before.get(d), "after": after[d]} for d in held_sets},
               "seconds": round(time.perf_counter() - t0, 1)}
-    head.to(dtype=split.dtype)
-    if vocab_ids is not None:
-        head.trim_vocab(vocab_ids)
-    save_head(head, out, extra={"training": report})
-    (out / "train_report.json").write_text(json.dumps(report | {"history": history}, indent=1))
+    save_trained(head, split, vocab_ids, out, report, history)
     return head, report
 
 

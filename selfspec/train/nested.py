@@ -22,10 +22,18 @@ import torch
 
 from selfspec.config import opt
 from selfspec.errors import InvalidConfigError
-from selfspec.heads.io import load_head, new_head, save_head
+from selfspec.heads.io import load_head, new_head
 from selfspec.heads.nested import NestedDeepHead
 from selfspec.models.split import SplitModel
-from selfspec.train.deep import DeepTrainConfig, _collate, deep_loss, evaluate_deep, resume, train_steps
+from selfspec.train.deep import (
+    DeepTrainConfig,
+    _collate,
+    deep_loss,
+    evaluate_deep,
+    resume,
+    save_trained,
+    train_steps,
+)
 from selfspec.train.features import load_features
 
 
@@ -138,11 +146,7 @@ def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[Nested
     report = {"config": asdict(cfg), "depths": depths, "steps": step, "total_steps": total,
               "train_tokens": train.num_tokens, "heldout_before": before, "heldout_after": after,
               "seconds": round(time.perf_counter() - t0, 1)}
-    head.to(dtype=split.dtype)
-    if vocab_ids is not None:
-        head.trim_vocab(vocab_ids)
-    save_head(head, out, extra={"training": report})
-    (out / "train_report.json").write_text(json.dumps(report | {"history": history}, indent=1))
+    save_trained(head, split, vocab_ids, out, report, history)
     return head, report
 
 
