@@ -108,6 +108,9 @@ def test_run_writes_answer_files_manifest_and_table(tiny_ss, tmp_path):
     for name in names:  # greedy float32: every method is lossless on this model
         assert overall[name]["identical"] == 2, name
     assert "bound" in overall["selfspec-lm"] and "bound" not in overall["hf-prompt-lookup"]
+    mix = overall["selfspec-lm"]["rounds"]  # where the steps came from, recorded per turn
+    assert mix["lookup"] + mix["head"] + mix["plain"] == pytest.approx(1.0) and "rounds" not in overall["plain"]
+    assert "Steps by draft source" in text
     assert json.loads((run / "divergences.json").read_text()) == []
     assert "### overall (2 questions)" in text and (run / "summary.md").read_text().strip() == text.strip()
     assert (run / "speedup.png").stat().st_size > 1000
@@ -125,12 +128,15 @@ def test_report_cli_and_compare(tiny_ss, tmp_path, capsys):
     assert main(["bench", "report", str(tmp_path)]) == 2  # not a run directory: a clean error
 
 
-def record(qid: int, cat: str, tokens: list[int], walls: list[float], accepts=None, steps=None, ids=None, drafts=None):
+def record(qid: int, cat: str, tokens: list[int], walls: list[float], accepts=None, steps=None, ids=None, drafts=None,
+           rounds=None):
     c = {"turns": ["x"] * len(tokens), "new_tokens": tokens, "wall_time": walls,
          "decoding_steps": steps or [n - 1 for n in tokens], "accept_lengths": accepts or [[] for _ in tokens],
          "token_ids": ids or [list(range(n)) for n in tokens]}
     if drafts is not None:
         c["draft_tokens"] = drafts
+    if rounds is not None:
+        c["rounds"] = rounds
     return {"question_id": qid, "category": cat, "model_id": "m", "choices": [c]}
 
 
@@ -139,7 +145,8 @@ def test_speedup_is_a_ratio_of_means_and_mal_pools_steps(tmp_path):
     answers.mkdir()
     hf = [record(81, "writing", [5, 5], [0.5, 0.5]), record(161, "translation", [20], [1.0]),
           record(241, "qa", [30], [1.0])]  # 10, 20, 30 tok/s
-    fast = [record(81, "writing", [5, 5], [0.125, 0.125], accepts=[[2, 2], [3, 1]], drafts=[6, 6]),  # 40 tok/s
+    fast = [record(81, "writing", [5, 5], [0.125, 0.125], accepts=[[2, 2], [3, 1]], drafts=[6, 6],  # 40 tok/s
+                   rounds=[{"lookup": 1, "depths": {"1": 1}}, {"lookup": 0, "depths": {"1": 1, "2": 1}}]),
             record(161, "translation", [20], [1.0], accepts=[[4] * 4 + [3]], drafts=[20]),  # 20 tok/s
             record(241, "qa", [30], [1.0], accepts=[[1] * 29], drafts=[29], ids=[[7] * 30])]  # 30 tok/s
     for name, recs in (("hf", hf), ("fast", fast)):
@@ -160,6 +167,11 @@ def test_speedup_is_a_ratio_of_means_and_mal_pools_steps(tmp_path):
     assert overall["fast"]["bound"] == pytest.approx(overall["fast"]["mal"] / (d / 4 + 1))
     mt = s["groups"]["mt_bench"]["fast"]
     assert mt["speedup"] == pytest.approx(4.0) and mt["mal"] == pytest.approx(2.0) and mt["questions"] == 1
+    # 4 steps: 1 lookup, 3 early-exit rounds (two at depth 1, one at depth 2), no plain step
+    depths = mt["rounds"].pop("depths")
+    assert mt["rounds"] == pytest.approx({"lookup": 0.25, "head": 0.75, "plain": 0.0})
+    assert depths == pytest.approx({"1": 2 / 3, "2": 1 / 3})
+    assert "rounds" not in s["groups"]["mt_bench"]["hf"]
     assert list(s["groups"]) == ["mt_bench", "translation", "qa", "overall"]
 
 

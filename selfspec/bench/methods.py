@@ -80,6 +80,7 @@ class TurnResult:
     draft_tokens: int | None = None  # draft tokens proposed (selfspec kinds)
     prompt_tokens: int = 0
     specee: dict[str, Any] | None = None  # SpecEE kinds: exit layers, predictor checks and time, exit agreement
+    rounds: dict[str, Any] | None = None  # selfspec kinds: {"lookup": steps drafted by lookup, "depths": {depth: rounds}}
 
     @property
     def new_tokens(self) -> int:
@@ -295,7 +296,10 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) 
     if method.kind in SPECEE_KINDS:
         specee = {"exit_layers": list(st.exit_layers), "predictor_checks": st.predictor_checks,
                   "predictor_time": st.predictor_time, "exit_agreed": st.exit_agreed, "exit_compared": st.exit_compared}
-    return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids), specee)
+    rounds = None
+    if method.kind != "plain":
+        rounds = {"lookup": st.lookup_steps, "depths": {str(d): n for d, n in sorted(st.draft_depths.items())}}
+    return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids), specee, rounds)
 
 
 def _run_hf(ss: SelfSpec, ids: list[int], max_new_tokens: int, options: dict[str, Any]) -> TurnResult:

@@ -128,6 +128,22 @@ def same_tokens(a: dict, b: dict) -> bool:
     return ca["turns"] == cb["turns"]
 
 
+def round_mix(recs: list[dict], steps: int) -> dict[str, Any] | None:
+    """Where a method's verification steps came from: shares of lookup blocks, early-exit drafts (and
+    their exit depths, e.g. the depth bandit's picks) and plain steps (no draft); None without records."""
+    turns = [t for r in recs for t in (_choice(r).get("rounds") or []) if t is not None]
+    if not turns or not steps:
+        return None
+    lookup = sum(t["lookup"] for t in turns)
+    depths: dict[str, int] = {}
+    for t in turns:
+        for d, n in t["depths"].items():
+            depths[d] = depths.get(d, 0) + n
+    head = sum(depths.values())
+    return {"lookup": lookup / steps, "head": head / steps, "plain": max(0.0, 1.0 - (lookup + head) / steps),
+            "depths": {d: n / head for d, n in sorted(depths.items(), key=lambda kv: int(kv[0]))} if head else {}}
+
+
 def method_metrics(run: Run, method: str, qids: list[int], baseline: str | None) -> dict[str, Any]:
     recs = [run.answers[method][q] for q in qids]
     tps = [question_tps(r) for r in recs]
@@ -148,6 +164,9 @@ def method_metrics(run: Run, method: str, qids: list[int], baseline: str | None)
         out["median_ratio"] = statistics.median(ratios) if ratios else None
         out["identical"] = sum(same_tokens(r, b) for r, b in zip(recs, base))
         out.update(agreement_metrics(recs, base))
+    mix = round_mix(recs, steps)
+    if mix is not None:
+        out["rounds"] = mix
     info = run.manifest.get("methods", {}).get(method, {}).get("info", {})
     drafted = [sum(x or 0 for x in _choice(r).get("draft_tokens") or []) for r in recs]
     if run.kind(method) in SELFSPEC_KINDS and "exit_layer" in info and steps and out["mal"]:
@@ -220,6 +239,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             ident = f"{s['identical']}/{s['questions']}" if "identical" in s else "-"
             lines.append(f"| {m} | {s['tokens_per_s']:.2f} | {_f(s.get('speedup'))} | {_f(s.get('median_ratio'))} "
                          f"| {_f(s['mal'])} | {_f(s.get('bound'))} | {ident} |")
+    lines += format_rounds(summary)
     lines += format_agreement(summary)
     if summary.get("divergences"):
         lines += ["", "Divergences from the baseline (first differing token; target's top-2 logit margin there):",
@@ -236,6 +256,20 @@ def format_summary(summary: dict[str, Any]) -> str:
             lines += [f"| {x['method']} | {x['question_id']} | {x['turn']} | {x['position']} | {x['margin']:.2e} | "
                       f"{_f(x.get('token_gap'), '.2e')} |" for x in real[:50]]
     return "\n".join(lines)
+
+
+def format_rounds(summary: dict[str, Any]) -> list[str]:
+    """Overall shares of each method's steps by draft source (lookup, early exit by depth, none)."""
+    overall = summary["groups"].get("overall", {})
+    rows = [(m, s["rounds"]) for m, s in overall.items() if s.get("rounds")]
+    if not rows:
+        return []
+    lines = ["", "Steps by draft source (overall): lookup block, early-exit draft (share of those per exit depth), "
+             "plain step (no draft):", "", "| method | lookup | early exit | exit depths | plain |", "|---|---|---|---|---|"]
+    for m, r in rows:
+        depths = ", ".join(f"{d}: {x:.0%}" for d, x in r["depths"].items()) or "-"
+        lines.append(f"| {m} | {r['lookup']:.0%} | {r['head']:.0%} | {depths} | {r['plain']:.0%} |")
+    return lines
 
 
 def plot_speedup(summary: dict[str, Any], path: Path) -> Path | None:
