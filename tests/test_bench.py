@@ -250,7 +250,9 @@ def test_method_specs(tiny_ss, tmp_path):
     d = parse_method("selfspec-default", cfg, tiny_ss)  # what a user gets, whatever the bench's defaults
     assert d.name == "selfspec-default" and d.draft.gamma is None and d.draft.lookup > 0
     assert d.draft.policy == "thompson-confidence" and d.info["costs"]["t_deep"][1] > 0
-    assert parse_method("selfspec:gamma=none,lookup=0", cfg, tiny_ss).draft.lookup == 0
+    adaptive = parse_method("selfspec:gamma=none,lookup=0", cfg, tiny_ss).draft
+    assert adaptive.lookup == 0 and adaptive.policy == "thompson-confidence"  # a user's adaptive defaults
+    assert parse_method("selfspec:gamma=none,policy=confidence,tune=off", cfg, tiny_ss).draft.threshold == 0.5
     for bad, msg in (("nope", "unknown method"), ("selfspec-trained", "needs a trained exit head"),
                      ("selfspec:depth=3", "unknown selfspec setting"), ("selfspec:exit_layer=9", "out of range"),
                      ("selfspec-lm-greedy", "unknown drafting policy"), ("hf:x=1", "takes no settings")):

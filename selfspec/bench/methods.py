@@ -14,7 +14,9 @@ Spec strings (``--methods``, repeatable or comma-separated):
     selfspec[:KEY=VALUE,...]            any DraftConfig: exit_layer, head (lm | trained | a head
                                         directory, nested: the bundled nested head), gamma, policy,
                                         threshold, tune, depth_policy, ...; unset keys take the bench's
-                                        defaults
+                                        defaults (--gamma, --threshold, policy fixed), except that an
+                                        adaptive spec (gamma=none) leaves policy and threshold to
+                                        DraftConfig's defaults (auto, calibrated), as a user gets them
     specee-verified[:KEY=VALUE,...]     SpecEE's predictors pick each draft token's exit layer (lossless);
                                         keys: any DraftConfig (specee_threshold, specee_window, ...) over
                                         DraftConfig()'s defaults (the bundled head and its predictors)
@@ -228,6 +230,9 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
             values["head"] = str(nested)
         if values.get("head", "lm") != "lm" and "exit_layer" not in values:
             values["exit_layer"] = None  # a trained head drafts at its own layer
+        if "gamma" in values and values["gamma"] is None and base == "selfspec":  # adaptive: a user's defaults
+            values.setdefault("policy", DraftConfig.policy)
+            values.setdefault("threshold", DraftConfig.threshold)
         draft = replace(draft, **values)
         name = alias
     else:
