@@ -77,3 +77,19 @@ def test_deep_head_state_matches_a_fresh_forward(lookup):
         ref = head(h_k, pos, head.new_state(ids.shape[1]), context=ctx)[0]
     for p, logits in seen:
         torch.testing.assert_close(logits, ref[p], atol=1e-4, rtol=1e-4)
+
+
+def test_head_linears_run_packed_and_follow_weight_updates():
+    """At inference the head's own linears (fuse; a nested head's depth maps) go through the packed decoding
+    kernels; an optimizer step (an in-place weight update) repacks them; with gradients on, the module runs."""
+    ss, head = deep_ss("llama", 2)
+    x = torch.randn(1, 3, 2 * ss.split.hidden_size)
+    with torch.no_grad():
+        ref = head.fuse(x)
+        fast = head.linear(head.fuse)
+        assert fast is not head.fuse and fast is head.linear(head.fuse)  # packed once
+        torch.testing.assert_close(fast(x), ref, atol=1e-5, rtol=1e-5)
+        head.fuse.weight.mul_(2.0)
+        torch.testing.assert_close(head.linear(head.fuse)(x), 2 * ref, atol=1e-5, rtol=1e-5)
+        assert head.linear(head.fuse)(x[:, :0]).shape == (1, 0, ss.split.hidden_size)  # no rows (nothing to catch up)
+    assert head.linear(head.fuse) is head.fuse  # training: autograd through the module

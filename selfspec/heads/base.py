@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from selfspec.errors import HeadMismatchError
-from selfspec.kernels.linear import PackedLinear
+from selfspec.kernels.linear import PackedLinear, pack_linear
 from selfspec.models.cache import KVCache
 from selfspec.models.split import SplitModel
 
@@ -69,10 +69,21 @@ class ExitHead(nn.Module):
         self.exit_layer = exit_layer
         self.register_buffer("vocab_ids", torch.empty(0, dtype=torch.long))  # [n] kept ids; empty = all
         self._trim_lm: PackedLinear | None = None  # the kept rows of the frozen LM head, packed
+        self._packed: dict[int, tuple[torch.Tensor, int, PackedLinear]] = {}  # id(module) -> (weight, version, packed)
         # Draft settings measured best for this head (head_config.json "draft", e.g. {"tree_width": 2});
         # DraftConfig fields left at None take them.
         self.recommended_draft: dict[str, Any] = {}
         self.source: str | None = None  # the directory the head was loaded from (its SpecEE predictors live there)
+
+    def linear(self, module: nn.Linear) -> Any:
+        """``module`` through selfspec's decoding kernels (packed once per weight version) when drafting on the
+        fast backend; the module itself while training (gradients) or on the reference backend."""
+        if self.split.backend != "fast" or torch.is_grad_enabled():
+            return module
+        hit = self._packed.get(id(module))
+        if hit is None or hit[0] is not module.weight or hit[1] != module.weight._version:
+            hit = self._packed[id(module)] = (module.weight, module.weight._version, pack_linear(module))
+        return hit[2]
 
     @property
     def supports_tree(self) -> bool:

@@ -59,7 +59,7 @@ class DeepContextHead(DecoderLayerHead):
         state: KVCache | None = None,
         tree: TreeAttention | None = None,  # the rows are token-tree nodes (drafting a tree)
     ) -> torch.Tensor:  # [batch, n, hidden] f^, the predicted final states
-        x = self.fuse(torch.cat([self.norm_h(h), self.norm_f(context.to(h.dtype))], dim=-1))
+        x = self.linear(self.fuse)(torch.cat([self.norm_h(h), self.norm_f(context.to(h.dtype))], dim=-1))
         return self.run_block(x, positions, state, tree)
 
     def project(self, h: torch.Tensor, depth: int | None = None) -> torch.Tensor:

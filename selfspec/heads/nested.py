@@ -56,4 +56,4 @@ class NestedDeepHead(DeepContextHead):
         """Exit states of depth ``depth`` ``# [batch, n, hidden]`` -> the shared input space of ``features``."""
         if str(depth) not in self.depth_map:
             raise ExitLayerError(f"this nested head drafts from depths {self.depths}, not {depth}")
-        return self.depth_map[str(depth)](self.depth_norm[str(depth)](h))
+        return self.linear(self.depth_map[str(depth)])(self.depth_norm[str(depth)](h))

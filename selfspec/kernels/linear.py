@@ -135,7 +135,7 @@ class PackedLinear:
         lead = x.shape[:-1]
         rows = x.numel() // self.in_features
         no_grad = not (x.requires_grad and torch.is_grad_enabled())  # the kernels have no backward
-        if self._packed is not None and rows <= MAX_GEMV_ROWS and x.dtype == torch.float32 and no_grad:
+        if self._packed is not None and 0 < rows <= MAX_GEMV_ROWS and x.dtype == torch.float32 and no_grad:
             x2 = x.reshape(rows, self.in_features).contiguous()
             if out is None:
                 y = x2.new_empty(rows, self.out_features)
