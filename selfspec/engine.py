@@ -99,6 +99,49 @@ class Engine:
         seq.pending = pick(self.split.logits(h)[0, -1], gen, seq.generator)
         return seq.pending
 
+    def decode_batch(self, seqs: list[SequenceState], gens: list[GenerateConfig]) -> list[int]:
+        """One plain step for several sequences at once: their pending tokens go through every layer as one
+        ragged batch (``SplitModel.run_layers_batch``: each attends to its own cache, every weight is read
+        once), then each picks its next token under its own settings and generator."""
+        split = self.split
+        ids = torch.tensor([[s.pending for s in seqs]], dtype=torch.long, device=split.device)  # [1, B]
+        hs = list(split.embed(ids).split(1, dim=1))  # B x [1, 1, hidden]
+        out = split.run_layers_batch(hs, 0, split.num_layers, [s.positions(s.length, 1) for s in seqs],
+                                     [s.cache for s in seqs])
+        logits = split.logits(torch.cat(out, dim=1))[0]  # [B, vocab]: the LM head read once for all
+        for j, (s, gen) in enumerate(zip(seqs, gens)):
+            s.length += 1
+            s.pending = pick(logits[j], gen, s.generator)
+        return [s.pending for s in seqs]
+
+    def generate_batch(self, prompts: list[list[int]], gens: list[GenerateConfig],
+                       eos_token_ids: list[int] | None = None) -> list[list[int]]:
+        """Plain decoding of several requests together (each its own prompt length, settings and seed): every
+        prompt is prefilled alone, then all unfinished sequences step as one batch (``decode_batch``) until
+        each reaches its ``max_new_tokens`` or, unless it ignores EOS, an EOS token. Each output equals that
+        request's own batch-1 output. -> new token ids per request, EOS included."""
+        if len(prompts) != len(gens):
+            raise InvalidConfigError(f"generate_batch: {len(prompts)} prompts but {len(gens)} generation configs")
+        eos = set(eos_token_ids or [])
+        seqs, outs = [], []
+        for ids, gen in zip(prompts, gens):
+            validate_request(len(ids), gen, self.split.context_length)
+            seq = self.new_sequence(len(ids), gen)
+            first = self.prefill(seq, ids, gen, speculative=False)
+            seq.tokens = [*ids, first]
+            seqs.append(seq)
+            outs.append([first])
+
+        def live(j: int) -> bool:
+            done = len(outs[j]) >= gens[j].max_new_tokens or (not gens[j].ignore_eos and outs[j][-1] in eos)
+            return not done
+
+        while active := [j for j in range(len(seqs)) if live(j)]:
+            for j, tok in zip(active, self.decode_batch([seqs[j] for j in active], [gens[j] for j in active])):
+                outs[j].append(tok)
+                seqs[j].tokens.append(tok)
+        return outs
+
     def speculative_step(
         self, seq: SequenceState, gen: GenerateConfig, max_drafts: int, stats: GenerationStats,
         limit: int | None = None,

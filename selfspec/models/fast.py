@@ -22,6 +22,8 @@ gate_up, partial rotary).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,6 +67,20 @@ class Rotary:
             return x * self.cos + x.roll(self.dim // 2, dims=-1) * self.sin
         rot, rest = x[..., : self.dim], x[..., self.dim :]  # partial rotary (Phi-3 variants)
         return torch.cat([rot * self.cos + rot.roll(self.dim // 2, dims=-1) * self.sin, rest], dim=-1)
+
+
+@dataclass
+class Segment:
+    """One sequence's rows in a multi-sequence layer call (``FastLayer.forward_segments``)."""
+
+    offset: int  # its first row
+    n: int  # its rows (new tokens)
+    rotary: Rotary  # tables for its positions
+    mask: torch.Tensor | None  # [1, 1, n, start + n] bool, or None (a single causal query)
+    keys: torch.Tensor  # [1, kv_heads, capacity, head_dim] its cache buffers of this layer
+    values: torch.Tensor
+    start: int  # its cache length of this layer before the call
+    causal: bool = True  # False: ``mask`` is a token tree's
 
 
 class FastLayer:
@@ -118,69 +134,77 @@ class FastLayer:
         start: int,  # this layer's cache length before the call
         causal: bool = True,  # False: ``mask`` is arbitrary (a token tree), never assume causal order
     ) -> torch.Tensor:
-        b, n, _ = h.shape
-        if self.ops is not None and b * n <= MAX_GEMV_ROWS and h.dtype == torch.float32:
-            return self._forward_fused(h, rotary, mask, keys, values, start, causal)
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(self.input_norm(h)).view(b, n, hq + 2 * hkv, d)
-        if self.q_norm is not None:
-            q = rotary(self.q_norm(qkv[:, :, :hq]))
-            k = rotary(self.k_norm(qkv[:, :, hq : hq + hkv]))
-        else:
-            qk = rotary(qkv[:, :, : hq + hkv])
-            q, k = qk[:, :, :hq], qk[:, :, hq:]
-        end = start + n
-        keys[:, :, start:end] = k.transpose(1, 2)
-        values[:, :, start:end] = qkv[:, :, hq + hkv :].transpose(1, 2)
-        a = self._sdpa(q, keys, values, end, mask)
-        if self.sandwich:
-            h += self.post_attn_norm(self.o(a))
-            x = self.pre_ff_norm(h)
-        else:
-            self.o(a, out=h, accumulate=True)
-            x = self.post_attn_norm(h)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        y = self.act(gate) * up
-        if self.sandwich:
-            h += self.post_ff_norm(self.down(y))
-        else:
-            self.down(y, out=h, accumulate=True)
-        return h
+        return self.forward_segments(h, [Segment(0, h.shape[1], rotary, mask, keys, values, start, causal)])
 
-    def _forward_fused(
-        self, h: torch.Tensor, rotary: Rotary, mask: torch.Tensor | None, keys: torch.Tensor,
-        values: torch.Tensor, start: int, causal: bool = True,
-    ) -> torch.Tensor:
-        """The same layer through selfspec's fused CPU ops (float32, a decoding step's few rows)."""
-        ops = self.ops
+    def forward_segments(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """The layer over the rows of several sequences at once: ``h`` ``# [batch, rows, hidden]`` holds each
+        segment's rows (``Segment.offset``, ``Segment.n``), every segment attends only to its own cache
+        (its own length, positions and mask: ragged sequences stay exact), and every weight is read once
+        for all rows. Updates ``h`` in place and returns it."""
+        b, n, _ = h.shape
+        fused = self.ops is not None and b * n <= MAX_GEMV_ROWS and h.dtype == torch.float32
+        qkv = self._qkv(h, fused)  # [b, rows, (hq + 2 hkv) d]
+        if len(segments) == 1 and segments[0].n == n:
+            a = self._attend(qkv, segments[0], fused)
+        else:
+            a = h.new_empty(b, n, self.num_heads * self.head_dim)
+            for seg in segments:
+                a[:, seg.offset : seg.offset + seg.n] = self._attend(qkv[:, seg.offset : seg.offset + seg.n], seg, fused)
+        return self._mlp(h, a, fused)
+
+    def _norm(self, x: torch.Tensor, norm: Norm, fused: bool) -> torch.Tensor:
+        return self.ops.rms_norm(x, norm.weight, norm.eps) if fused else norm(x)
+
+    def _qkv(self, h: torch.Tensor, fused: bool) -> torch.Tensor:  # [b, n, hidden] -> [b, n, (hq + 2 hkv) d]
         b, n, _ = h.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(ops.rms_norm(h, self.input_norm.weight, self.input_norm.eps))  # [b, n, (hq + 2 hkv) d]
-        if self.q_norm is not None:  # Qwen3 / Gemma 3: per-head norms of q and k before rotary
+        qkv = self.qkv(self._norm(h, self.input_norm, fused))
+        if fused and self.q_norm is not None:  # Qwen3 / Gemma 3: per-head norms of q and k before rotary
             heads = qkv.view(b, n, hq + 2 * hkv, d)
-            heads[:, :, :hq] = ops.rms_norm(heads[:, :, :hq].contiguous(), self.q_norm.weight, self.q_norm.eps)
-            heads[:, :, hq : hq + hkv] = ops.rms_norm(
-                heads[:, :, hq : hq + hkv].contiguous(), self.k_norm.weight, self.k_norm.eps
-            )
-        q = ops.rope_qkv(qkv, *rotary.raw, keys, values, start, hq, hkv)  # [b, n, hq, d]; k, v cached
-        if n <= FUSED_ATTENTION_ROWS and causal:  # measured: the fused op wins for 1-2 queries, SDPA from 4 on
-            a = ops.attention(q, keys, values, start, self.window, self.scaling)  # [b, n, hq * d]
+            heads[:, :, :hq] = self._norm(heads[:, :, :hq].contiguous(), self.q_norm, True)
+            heads[:, :, hq : hq + hkv] = self._norm(heads[:, :, hq : hq + hkv].contiguous(), self.k_norm, True)
+        return qkv
+
+    def _attend(self, qkv: torch.Tensor, seg: Segment, fused: bool) -> torch.Tensor:
+        """One segment's attention: rotary, its keys / values written into its cache, attention over the
+        cache. ``qkv`` ``# [b, n, (hq + 2 hkv) d]`` -> ``# [b, n, hq d]``."""
+        b, n, _ = qkv.shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if fused:
+            q = self.ops.rope_qkv(qkv.contiguous(), *seg.rotary.raw, seg.keys, seg.values, seg.start, hq, hkv)
+            if n <= FUSED_ATTENTION_ROWS and seg.causal:  # measured: the fused op wins for 1-2 queries
+                return self.ops.attention(q, seg.keys, seg.values, seg.start, self.window, self.scaling)
+            return self._sdpa(q, seg.keys, seg.values, seg.start + n, seg.mask)
+        heads = qkv.view(b, n, hq + 2 * hkv, d)
+        if self.q_norm is not None:
+            q = seg.rotary(self.q_norm(heads[:, :, :hq]))
+            k = seg.rotary(self.k_norm(heads[:, :, hq : hq + hkv]))
         else:
-            a = self._sdpa(q, keys, values, start + n, mask)
+            qk = seg.rotary(heads[:, :, : hq + hkv])
+            q, k = qk[:, :, :hq], qk[:, :, hq:]
+        end = seg.start + n
+        seg.keys[:, :, seg.start : end] = k.transpose(1, 2)
+        seg.values[:, :, seg.start : end] = heads[:, :, hq + hkv :].transpose(1, 2)
+        return self._sdpa(q, seg.keys, seg.values, end, seg.mask)
+
+    def _mlp(self, h: torch.Tensor, a: torch.Tensor, fused: bool) -> torch.Tensor:
+        """o_proj into the residual, then the MLP (sandwich norms for Gemma); ``h`` updated in place."""
         if self.sandwich:
-            h += ops.rms_norm(self.o(a), self.post_attn_norm.weight, self.post_attn_norm.eps)
-            x = ops.rms_norm(h, self.pre_ff_norm.weight, self.pre_ff_norm.eps)
+            h += self._norm(self.o(a), self.post_attn_norm, fused)
+            x = self._norm(h, self.pre_ff_norm, fused)
         else:
             self.o(a, out=h, accumulate=True)
-            x = ops.rms_norm(h, self.post_attn_norm.weight, self.post_attn_norm.eps)
+            x = self._norm(h, self.post_attn_norm, fused)
         gu = self.gate_up(x)
-        if self.silu:
-            y = ops.silu_mul(gu)
+        if fused and self.silu:
+            y = self.ops.silu_mul(gu)
         else:
             gate, up = gu.chunk(2, dim=-1)
             y = self.act(gate) * up
         if self.sandwich:
-            h += ops.rms_norm(self.down(y), self.post_ff_norm.weight, self.post_ff_norm.eps)
+            h += self._norm(self.down(y), self.post_ff_norm, fused)
         else:
             self.down(y, out=h, accumulate=True)
         return h
+
+

@@ -28,7 +28,7 @@ from torch import nn
 from selfspec.errors import InvalidConfigError, UnsupportedArchitectureError
 from selfspec.kernels.linear import kernel_name, pack_linear
 from selfspec.models.cache import KVCache
-from selfspec.models.fast import FastLayer, Norm, Rotary
+from selfspec.models.fast import FastLayer, Norm, Rotary, Segment
 
 BACKENDS = ("fast", "reference")
 
@@ -141,6 +141,42 @@ class SplitModel:
                 position_embeddings=rotary[kind],
             )
         return h
+
+    def run_layers_batch(
+        self,
+        hs: list[torch.Tensor],  # per sequence [1, n_j, hidden]: ragged, n_j new tokens each
+        start: int,
+        end: int,
+        positions: list[torch.Tensor],  # per sequence [1, n_j] absolute positions
+        caches: list[KVCache],  # per sequence: its own cache, its own length
+        trees: list[TreeAttention | None] | None = None,
+    ) -> list[torch.Tensor]:  # per sequence [1, n_j, hidden]
+        """``run_layers`` for several sequences in one pass: their rows are stacked so every weight is read
+        once for all of them, and each sequence attends only to its own cache under its own mask (its
+        length, positions and tree), so ragged batches need no padding and no realignment. Each result
+        equals that sequence's own ``run_layers`` (up to float summation order in the linears)."""
+        trees = trees or [None] * len(hs)
+        if not self.fast_layers or len(hs) == 1:
+            return [self.run_layers(h, start, end, p, c, t) for h, p, c, t in zip(hs, positions, caches, trees)]
+        if start >= end:
+            return hs
+        sizes = [h.shape[1] for h in hs]
+        offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+        h = torch.cat(hs, dim=1)
+        tables: list[dict[str, Rotary]] = [{} for _ in hs]
+        for i in range(start, end):
+            kind = self.layer_types[i]
+            segments = []
+            for j, (n, cache) in enumerate(zip(sizes, caches)):
+                if kind not in tables[j]:
+                    rot = (self.rotary_emb(hs[j], positions[j], kind) if self._rotary_by_type
+                           else self.rotary_emb(hs[j], positions[j]))
+                    tables[j][kind] = Rotary(*rot)
+                mask = block_mask(n, cache.lengths[i] + n, self.windows[i], h.device, trees[j])
+                segments.append(Segment(offsets[j], n, tables[j][kind], mask, cache.keys[i], cache.values[i],
+                                        cache.reserve(i, n), trees[j] is None))
+            self.fast_layers[i].forward_segments(h, segments)
+        return [h[:, o : o + n] for o, n in zip(offsets, sizes)]
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self._fast_norm(h) if self.fast_layers else self.norm(h)

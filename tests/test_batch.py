@@ -1,0 +1,61 @@
+"""Batched decoding (issue 13's first step): several requests of different prompt lengths step together
+through ``Engine.generate_batch`` (one ragged pass per step, each sequence over its own cache), and every
+request's output equals its own batch-1 output: transformers' greedy generate, EOS at different times, and
+seeded sampling per request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy, tiny_model
+from test_engine_equality import NEW, prompt_of
+
+from selfspec import SelfSpec
+from selfspec.config import GenerateConfig
+from selfspec.errors import InvalidConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LENGTHS = (1, 7, 13, 4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_greedy_equals_each_request_alone(arch):
+    model = tiny_model(arch)
+    ss = SelfSpec(model, None)
+    prompts = [prompt_of(n, n + 5) for n in LENGTHS]
+    gens = [GenerateConfig(max_new_tokens=NEW - 3 * j, ignore_eos=True) for j in range(len(prompts))]  # ragged ends
+    with torch.inference_mode():
+        outs = ss.engine.generate_batch(prompts, gens)
+    for j, (p, out) in enumerate(zip(prompts, outs)):
+        assert out == hf_greedy(model, p, NEW - 3 * j), (arch, j)
+
+
+def test_eos_at_different_times_and_seeded_sampling_per_request():
+    model = tiny_model("llama")
+    ss = SelfSpec(model, None)
+    prompts = [prompt_of(n, n + 5) for n in LENGTHS]
+    alone = [hf_greedy(model, p, NEW) for p in prompts]
+    eos = alone[0][3]  # the first request emits it at its 4th token; the others whenever they do, if at all
+    with torch.inference_mode():
+        outs = ss.engine.generate_batch(prompts, [GenerateConfig(max_new_tokens=NEW) for _ in prompts], [eos])
+    assert outs == [hf_greedy(model, p, NEW, eos=[eos]) for p in prompts]
+    assert len(outs[0]) == 4 and max(len(o) for o in outs) > 4  # finished at different times
+    gens = [GenerateConfig(max_new_tokens=12, temperature=0.9, top_k=20 if j % 2 else 0, seed=j, ignore_eos=True)
+            for j in range(len(prompts))]
+    with torch.inference_mode():
+        batched = ss.engine.generate_batch(prompts, gens)
+        each = [ss.engine.generate_batch([p], [g])[0] for p, g in zip(prompts, gens)]
+    assert batched == each
+    assert [ss.generate(p, gens[j], method="plain").token_ids for j, p in enumerate(prompts)] == batched
+    with pytest.raises(InvalidConfigError, match="2 prompts but 1"):
+        ss.engine.generate_batch(prompts[:2], gens[:1])
+
+
+@pytest.mark.slow
+def test_batched_greedy_on_the_default_model(default_ss):
+    prompts = [default_ss.encode(t) for t in ("Why is the sky blue?", "Write a haiku about rain, then explain it.",
+                                               "List three prime numbers.")]
+    eos = default_ss.eos_token_ids
+    with torch.inference_mode():
+        outs = default_ss.engine.generate_batch(prompts, [GenerateConfig(max_new_tokens=24) for _ in prompts], eos)
+    assert outs == [hf_greedy(default_ss.model, p, 24, eos=eos) for p in prompts]
