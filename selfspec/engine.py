@@ -115,32 +115,81 @@ class Engine:
         return [s.pending for s in seqs]
 
     def generate_batch(self, prompts: list[list[int]], gens: list[GenerateConfig],
-                       eos_token_ids: list[int] | None = None) -> list[list[int]]:
-        """Plain decoding of several requests together (each its own prompt length, settings and seed): every
-        prompt is prefilled alone, then all unfinished sequences step as one batch (``decode_batch``) until
-        each reaches its ``max_new_tokens`` or, unless it ignores EOS, an EOS token. Each output equals that
-        request's own batch-1 output. -> new token ids per request, EOS included."""
+                       eos_token_ids: list[int] | None = None, method: str = "plain",
+                       stats: list[GenerationStats] | None = None) -> list[list[int]]:
+        """Several requests decoded together, each with its own prompt length, settings and seed: every prompt
+        is prefilled alone, then all unfinished sequences step as one batch until each reaches its
+        ``max_new_tokens`` or, unless it ignores EOS, an EOS token. ``method`` 'plain' steps them with
+        ``decode_batch``; 'selfspec' drafts per sequence and verifies all their blocks in one ragged pass
+        (``speculative_batch_step``). Each output equals that request's own batch-1 output.
+        -> new token ids per request, EOS included (``stats``, when given, gets one entry per request)."""
         if len(prompts) != len(gens):
             raise InvalidConfigError(f"generate_batch: {len(prompts)} prompts but {len(gens)} generation configs")
+        if method not in ("plain", "selfspec"):
+            raise InvalidConfigError(f"generate_batch decodes with 'plain' or 'selfspec', not '{method}'")
+        speculative = method == "selfspec" and self.drafter is not None
         eos = set(eos_token_ids or [])
         seqs, outs = [], []
+        stats = stats if stats is not None else []
         for ids, gen in zip(prompts, gens):
             validate_request(len(ids), gen, self.split.context_length)
+            t0 = time.perf_counter()
             seq = self.new_sequence(len(ids), gen)
-            first = self.prefill(seq, ids, gen, speculative=False)
+            if speculative:
+                self.drafter.begin(seq, gen.seed)
+            first = self.prefill(seq, ids, gen, speculative)
             seq.tokens = [*ids, first]
             seqs.append(seq)
             outs.append([first])
+            stats.append(GenerationStats(prompt_tokens=len(ids), new_tokens=1, prefill_time=time.perf_counter() - t0))
 
         def live(j: int) -> bool:
-            done = len(outs[j]) >= gens[j].max_new_tokens or (not gens[j].ignore_eos and outs[j][-1] in eos)
+            done = len(outs[j]) >= gens[j].max_new_tokens or (not gens[j].ignore_eos and eos & set(outs[j][-1:]))
             return not done
 
+        t0 = time.perf_counter()
         while active := [j for j in range(len(seqs)) if live(j)]:
-            for j, tok in zip(active, self.decode_batch([seqs[j] for j in active], [gens[j] for j in active])):
-                outs[j].append(tok)
-                seqs[j].tokens.append(tok)
+            if speculative:
+                blocks = self.speculative_batch_step([seqs[j] for j in active], [gens[j] for j in active],
+                                                     [stats[j] for j in active],
+                                                     [gens[j].max_new_tokens - len(outs[j]) for j in active])
+            else:
+                blocks = [[t] for t in self.decode_batch([seqs[j] for j in active], [gens[j] for j in active])]
+                for j, b in zip(active, blocks):
+                    seqs[j].tokens.extend(b)
+                    stats[j].record_step(0, 0)
+            for j, block in zip(active, blocks):
+                block = block[: gens[j].max_new_tokens - len(outs[j])]
+                if not gens[j].ignore_eos and eos & set(block):  # cut after the first EOS
+                    block = block[: next(i for i, t in enumerate(block) if t in eos) + 1]
+                outs[j].extend(block)
+                stats[j].new_tokens = len(outs[j])
+                stats[j].wall_time = stats[j].prefill_time + time.perf_counter() - t0
         return outs
+
+    def speculative_batch_step(self, seqs: list[SequenceState], gens: list[GenerateConfig],
+                               stats: list[GenerationStats], remaining: list[int]) -> list[list[int]]:
+        """One speculative round for several sequences: each drafts on its own (its policy, lookup, depth), then
+        the deep layers verify every sequence's block in one ragged pass (blocks of different lengths, no
+        padding), and each accepts its longest agreeing prefix as alone. Token trees step per sequence."""
+        split, drafter = self.split, self.drafter
+        out: list[list[int] | None] = [None] * len(seqs)
+        by_layer: dict[int, list[tuple[int, DraftBlock]]] = {}
+        for j, (seq, gen, rem) in enumerate(zip(seqs, gens, remaining)):
+            max_drafts = min(drafter.policy_of(seq).max_drafts(self.gamma), rem - 1)
+            if self.tree_width > 1 and max_drafts > 0 and drafter.supports_tree:
+                out[j] = self.tree_step(seq, gen, max_drafts, stats[j], rem - 1)
+                continue
+            block = drafter.propose(seq, max_drafts, gen, limit=rem - 1)
+            by_layer.setdefault(block.exit_layer or drafter.exit_layer, []).append((j, block))
+        for k, group in by_layer.items():  # blocks drafted at the same depth verify together
+            hs = split.run_layers_batch([b.exit_states for _, b in group], k, split.num_layers,
+                                        [seqs[j].positions(b.start, len(b.tokens) + 1) for j, b in group],
+                                        [seqs[j].cache for j, _ in group])
+            logits = split.logits(torch.cat(hs, dim=1)).split([h.shape[1] for h in hs], dim=1)  # LM head read once
+            for (j, b), h, lg in zip(group, hs, logits):
+                out[j] = self.verify_block(seqs[j], gens[j], b, h, stats[j], lg)
+        return out
 
     def speculative_step(
         self, seq: SequenceState, gen: GenerateConfig, max_drafts: int, stats: GenerationStats,
@@ -156,11 +205,13 @@ class Engine:
         return self.verify_block(seq, gen, block, h, stats)
 
     def verify_block(self, seq: SequenceState, gen: GenerateConfig, block: DraftBlock, h: torch.Tensor,
-                     stats: GenerationStats) -> list[int]:
+                     stats: GenerationStats, target_logits: torch.Tensor | None = None) -> list[int]:
         """Verify a chain of drafts from the last-layer states of its rows ``h`` ``# [1, g + 1, hidden]``
-        (pending token and drafts), roll the cache back to the accepted length, sync the drafter, emit."""
+        (pending token and drafts), roll the cache back to the accepted length, sync the drafter, emit.
+        ``target_logits`` ``# [1, g + 1, vocab]``: those states' logits when already computed (a batch)."""
         split, p, g = self.split, block.start, len(block.tokens)
-        target_logits = split.logits(h)  # [1, g + 1, vocab]
+        if target_logits is None:
+            target_logits = split.logits(h)  # [1, g + 1, vocab]
         drafts = torch.tensor([block.tokens], dtype=torch.long, device=split.device)  # [1, g]
         if gen.greedy:
             res = greedy_verify(drafts, target_logits)

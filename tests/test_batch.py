@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, tiny_model
+from conftest import ARCHS, LAYERS, hf_greedy, tiny_model
 from test_engine_equality import NEW, prompt_of
 
 from selfspec import SelfSpec
@@ -57,5 +57,50 @@ def test_batched_greedy_on_the_default_model(default_ss):
                                                "List three prime numbers.")]
     eos = default_ss.eos_token_ids
     with torch.inference_mode():
-        outs = default_ss.engine.generate_batch(prompts, [GenerateConfig(max_new_tokens=24) for _ in prompts], eos)
-    assert outs == [hf_greedy(default_ss.model, p, 24, eos=eos) for p in prompts]
+        gens = [GenerateConfig(max_new_tokens=24) for _ in prompts]
+        outs = default_ss.engine.generate_batch(prompts, gens, eos)
+        spec = default_ss.engine.generate_batch(prompts, gens, eos, method="selfspec")
+    assert outs == [hf_greedy(default_ss.model, p, 24, eos=eos) for p in prompts] == spec
+
+
+def _spec_ss(arch: str, tree_width: int = 0, lookup: int = 4) -> SelfSpec:
+    """A tiny model with a deep-context head that agrees sometimes (test_deep_head.deep_ss)."""
+    from test_deep_head import deep_ss
+
+    ss, _ = deep_ss(arch, LAYERS - 1, gamma=3, lookup=lookup)  # a deep exit: agrees often enough
+    ss.engine.tree_width = tree_width
+    return ss
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_speculative_greedy_equals_each_request_alone(arch):
+    """Every sequence drafts its own block (early exit, lookup) and all blocks verify in one ragged pass;
+    ragged acceptance never shifts another sequence's cache."""
+    for tree_width in (0, 2):
+        ss = _spec_ss(arch, tree_width)
+        prompts = [prompt_of(n, n + 5) for n in LENGTHS]
+        gens = [GenerateConfig(max_new_tokens=NEW - 3 * j, ignore_eos=True) for j in range(len(prompts))]
+        stats: list = []
+        with torch.inference_mode():
+            outs = ss.engine.generate_batch(prompts, gens, method="selfspec", stats=stats)
+        for j, (p, out) in enumerate(zip(prompts, outs)):
+            assert out == hf_greedy(ss.model, p, NEW - 3 * j), (arch, tree_width, j)
+        accepts = [a for st in stats for a in st.accept_lengths]
+        if arch == "llama":  # its head agrees often enough (on some tiny models this one never does)
+            assert max(accepts) > 1 and min(accepts) == 1  # drafts accepted and rejected: ragged rounds
+
+
+def test_batched_speculative_sampling_and_eos_per_request():
+    ss = _spec_ss("llama")
+    prompts = [prompt_of(n, n + 5) for n in LENGTHS]
+    gens = [GenerateConfig(max_new_tokens=12, temperature=0.8, seed=10 + j, ignore_eos=True) for j in range(4)]
+    with torch.inference_mode():
+        batched = ss.engine.generate_batch(prompts, gens, method="selfspec")
+    assert batched == [ss.generate(p, g).token_ids for p, g in zip(prompts, gens)]  # method selfspec, alone
+    alone = [hf_greedy(ss.model, p, NEW) for p in prompts]
+    eos = alone[1][5]
+    with torch.inference_mode():
+        outs = ss.engine.generate_batch(prompts, [GenerateConfig(max_new_tokens=NEW)] * 4, [eos], method="selfspec")
+    assert outs == [hf_greedy(ss.model, p, NEW, eos=[eos]) for p in prompts] and len(outs[1]) <= 6
+    with pytest.raises(InvalidConfigError, match="'plain' or 'selfspec'"):
+        ss.engine.generate_batch(prompts, gens, method="specee")
