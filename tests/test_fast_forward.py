@@ -108,7 +108,7 @@ def test_ragged_batch_forward_equals_each_sequence_alone(arch):
         split = SplitModel(model, backend)
         with torch.inference_mode():
             alone = [split.new_cache(40) for _ in prompts]
-            batch = [split.new_cache(40) for _ in prompts]
+            batch = [split.new_cache(8) for _ in prompts]  # too small: the batched steps grow them
             for ids, c1, c2 in zip(prompts, alone, batch):
                 pos = torch.arange(ids.shape[1])[None]
                 split.run_layers(split.embed(ids), 0, split.num_layers, pos, c1)

@@ -113,26 +113,18 @@ class SplitModel:
         sees the cached prefix and the tree nodes ``tree.mask`` allows (itself and its ancestors)."""
         if start >= end:
             return h
+        if self.fast_layers:  # the fast layers' one path: a batch of one sequence
+            return self.run_layers_batch([h], start, end, [positions], [cache], [tree])[0]
         n = h.shape[1]
         rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
-        if self.fast_layers:
-            h = h.clone()  # the fast layers update the residual stream in place; the caller keeps its h
-            tables: dict[str, Rotary] = {}
         for i in range(start, end):
             kind = self.layer_types[i]
             if kind not in rotary:
                 rotary[kind] = self.rotary_emb(h, positions, kind) if self._rotary_by_type else self.rotary_emb(h, positions)
-                if self.fast_layers:
-                    tables[kind] = Rotary(*rotary[kind])
             key = (cache.lengths[i] + n, self.windows[i])
             if key not in masks:
                 masks[key] = block_mask(n, key[0], key[1], h.device, tree)
-            if self.fast_layers:
-                start_i = cache.reserve(i, n)
-                self.fast_layers[i].forward(h, tables[kind], masks[key], cache.keys[i], cache.values[i], start_i,
-                                            causal=tree is None)
-                continue
             h = self.layers[i](
                 h,
                 attention_mask=masks[key],
@@ -156,14 +148,15 @@ class SplitModel:
         length, positions and tree), so ragged batches need no padding and no realignment. Each result
         equals that sequence's own ``run_layers`` (up to float summation order in the linears)."""
         trees = trees or [None] * len(hs)
-        if not self.fast_layers or len(hs) == 1:
+        if not self.fast_layers:
             return [self.run_layers(h, start, end, p, c, t) for h, p, c, t in zip(hs, positions, caches, trees)]
         if start >= end:
             return hs
         sizes = [h.shape[1] for h in hs]
         offsets = [sum(sizes[:j]) for j in range(len(sizes))]
-        h = torch.cat(hs, dim=1)
-        tables: list[dict[str, Rotary]] = [{} for _ in hs]
+        h = torch.cat(hs, dim=1)  # a new tensor: the fast layers update it in place, the callers keep theirs
+        tables: list[dict[str, Rotary]] = [{} for _ in hs]  # per sequence: rotary tables by layer kind
+        masks: list[dict[tuple[int, int | None], torch.Tensor | None]] = [{} for _ in hs]  # ... masks by (kv_len, window)
         for i in range(start, end):
             kind = self.layer_types[i]
             segments = []
@@ -172,9 +165,12 @@ class SplitModel:
                     rot = (self.rotary_emb(hs[j], positions[j], kind) if self._rotary_by_type
                            else self.rotary_emb(hs[j], positions[j]))
                     tables[j][kind] = Rotary(*rot)
-                mask = block_mask(n, cache.lengths[i] + n, self.windows[i], h.device, trees[j])
-                segments.append(Segment(offsets[j], n, tables[j][kind], mask, cache.keys[i], cache.values[i],
-                                        cache.reserve(i, n), trees[j] is None))
+                key = (cache.lengths[i] + n, self.windows[i])
+                if key not in masks[j]:
+                    masks[j][key] = block_mask(n, key[0], key[1], h.device, trees[j])
+                at = cache.reserve(i, n)  # first: reserving may grow (reallocate) this layer's buffers
+                segments.append(Segment(offsets[j], n, tables[j][kind], masks[j][key], cache.keys[i], cache.values[i],
+                                        at, trees[j] is None))
             self.fast_layers[i].forward_segments(h, segments)
         return [h[:, o : o + n] for o, n in zip(offsets, sizes)]
 
