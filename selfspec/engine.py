@@ -99,6 +99,18 @@ class Engine:
         seq.pending = pick(self.split.logits(h)[0, -1], gen, seq.generator)
         return seq.pending
 
+    def start_sequence(self, prompt_ids: list[int], gen: GenerateConfig, speculative: bool,
+                       stats: GenerationStats) -> SequenceState:
+        """A request's sequence after its prefill: its cache, its drafting state (seeded policy, depth) when
+        ``speculative``, its first token pending and in ``tokens``; ``stats`` counts the prompt and that token."""
+        seq = self.new_sequence(len(prompt_ids), gen)
+        if speculative:
+            self.drafter.begin(seq, gen.seed)
+        first = self.prefill(seq, prompt_ids, gen, speculative)
+        seq.tokens = [*prompt_ids, first]
+        stats.prompt_tokens, stats.new_tokens = len(prompt_ids), 1
+        return seq
+
     def decode_batch(self, seqs: list[SequenceState], gens: list[GenerateConfig]) -> list[int]:
         """One plain step for several sequences at once: their pending tokens go through every layer as one
         ragged batch (``SplitModel.run_layers_batch``: each attends to its own cache, every weight is read
@@ -134,14 +146,11 @@ class Engine:
         for ids, gen in zip(prompts, gens):
             validate_request(len(ids), gen, self.split.context_length)
             t0 = time.perf_counter()
-            seq = self.new_sequence(len(ids), gen)
-            if speculative:
-                self.drafter.begin(seq, gen.seed)
-            first = self.prefill(seq, ids, gen, speculative)
-            seq.tokens = [*ids, first]
-            seqs.append(seq)
-            outs.append([first])
-            stats.append(GenerationStats(prompt_tokens=len(ids), new_tokens=1, prefill_time=time.perf_counter() - t0))
+            st = GenerationStats()
+            seqs.append(self.start_sequence(ids, gen, speculative, st))
+            outs.append([seqs[-1].pending])
+            st.prefill_time = time.perf_counter() - t0
+            stats.append(st)
 
         def live(j: int) -> bool:
             done = len(outs[j]) >= gens[j].max_new_tokens or (not gens[j].ignore_eos and eos & set(outs[j][-1:]))
@@ -177,7 +186,7 @@ class Engine:
         by_layer: dict[int, list[tuple[int, DraftBlock]]] = {}
         for j, (seq, gen, rem) in enumerate(zip(seqs, gens, remaining)):
             max_drafts = min(drafter.policy_of(seq).max_drafts(self.gamma), rem - 1)
-            if self.tree_width > 1 and max_drafts > 0 and drafter.supports_tree:
+            if self.drafts_tree(max_drafts):
                 out[j] = self.tree_step(seq, gen, max_drafts, stats[j], rem - 1)
                 continue
             block = drafter.propose(seq, max_drafts, gen, limit=rem - 1)
@@ -191,13 +200,17 @@ class Engine:
                 out[j] = self.verify_block(seqs[j], gens[j], b, h, stats[j], lg)
         return out
 
+    def drafts_tree(self, max_drafts: int) -> bool:
+        """Whether a round of up to ``max_drafts`` drafts is a token tree (trees on, a draft wanted, a head that can)."""
+        return self.tree_width > 1 and max_drafts > 0 and self.drafter.supports_tree
+
     def speculative_step(
         self, seq: SequenceState, gen: GenerateConfig, max_drafts: int, stats: GenerationStats,
         limit: int | None = None,
     ) -> list[int]:
         split, drafter = self.split, self.drafter
         p = seq.length
-        if self.tree_width > 1 and max_drafts > 0 and drafter.supports_tree:
+        if self.drafts_tree(max_drafts):
             return self.tree_step(seq, gen, max_drafts, stats, max_drafts if limit is None else limit)
         block = drafter.propose(seq, max_drafts, gen, limit=max_drafts if limit is None else limit)
         h = split.run_layers(block.exit_states, block.exit_layer or drafter.exit_layer, split.num_layers,
@@ -277,17 +290,12 @@ class Engine:
         specee = gen.method in SPECEE_METHODS
         speculative = (gen.method == "selfspec" or specee) and self.drafter is not None
         t0 = time.perf_counter()
-        seq = self.new_sequence(len(prompt_ids), gen)
-        if speculative:
-            self.drafter.begin(seq, gen.seed)
-        stats.prompt_tokens = len(prompt_ids)
-        first = self.prefill(seq, prompt_ids, gen, speculative)
-        seq.tokens = [*prompt_ids, first]
+        seq = self.start_sequence(prompt_ids, gen, speculative, stats)
         if specee:
             self.specee.start(seq)
         stats.prefill_time = time.perf_counter() - t0
-        stats.new_tokens, stats.wall_time = 1, stats.prefill_time
-        yield [first]
+        stats.wall_time = stats.prefill_time
+        yield [seq.pending]
         while stats.new_tokens < gen.max_new_tokens:
             remaining = gen.max_new_tokens - stats.new_tokens
             if gen.method == "specee":
