@@ -143,8 +143,9 @@ class Engine:
         eos = set(eos_token_ids or [])
         seqs, outs = [], []
         stats = stats if stats is not None else []
-        for ids, gen in zip(prompts, gens):
+        for ids, gen in zip(prompts, gens):  # every request checked before any is prefilled
             validate_request(len(ids), gen, self.split.context_length)
+        for ids, gen in zip(prompts, gens):
             t0 = time.perf_counter()
             st = GenerationStats()
             seqs.append(self.start_sequence(ids, gen, speculative, st))

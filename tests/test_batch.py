@@ -49,6 +49,10 @@ def test_eos_at_different_times_and_seeded_sampling_per_request():
     assert [ss.generate(p, gens[j], method="plain").token_ids for j, p in enumerate(prompts)] == batched
     with pytest.raises(InvalidConfigError, match="2 prompts but 1"):
         ss.engine.generate_batch(prompts[:2], gens[:1])
+    from selfspec.errors import EmptyPromptError
+
+    with pytest.raises(EmptyPromptError):  # the bad request is found before the good one is prefilled
+        ss.engine.generate_batch([prompts[0], []], gens[:2])
 
 
 @pytest.mark.slow
