@@ -10,44 +10,28 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
+from selfspec.batch.scheduler import BatchConfig, TextScheduler
 from selfspec.config import DraftConfig, GenerateConfig, ModelConfig
 from selfspec.costs import DraftCosts, measure_draft_costs
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import CostAwarePolicy, DepthBandit, ThompsonPolicy, make_policy
-from selfspec.engine import MAX_TREE_NODES, Engine
+from selfspec.engine import MAX_TREE_NODES, Engine, validate_request
 from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplateError
 from selfspec.heads.base import ExitHead
 from selfspec.heads.io import load_head, new_head, read_head_config
 from selfspec.models.split import SplitModel
+from selfspec.outputs import GenerationResult, RequestOutput, StreamEvent
 from selfspec.specee.decode import DEFAULT_THRESHOLDS, SpecEERunner, SpecEESettings
 from selfspec.specee.predictors import has_predictors, load_predictors
-from selfspec.stats import GenerationStats
-from selfspec.textstream import TextStream
 from selfspec.tuning import Tuning, head_depths, tuned
 
 Prompt = str | list[dict[str, str]] | list[int]
 MAX_AUTO_GAMMA = 8  # the longest draft the cost-aware choice considers
 LOOKUP_PRIOR = 0.5  # prior acceptance of lookup drafts per position (then learned from every lookup round)
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # new tokens (an EOS that ended generation included)
-    finish_reason: str  # "length" (max_new_tokens) or "stop" (EOS or stop string)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-
-@dataclass
-class StreamEvent:
-    text: str  # new final text since the previous event
-    token_ids: list[int]  # tokens accepted since the previous event
-    result: GenerationResult | None = None  # set on the last event only
 
 
 def bundled_head_dir(model_id: str) -> Any:
@@ -230,7 +214,9 @@ class SelfSpec:
             return list(prompt)
         raise InvalidConfigError("prompt must be a string, a list of chat messages or a list of token ids")
 
-    def _config(self, config: GenerateConfig | None, overrides: dict[str, Any]) -> GenerateConfig:
+    def resolve(self, config: GenerateConfig | None = None, **overrides: Any) -> GenerateConfig:
+        """The settings a request runs with: ``config`` (default GenerateConfig()) with ``overrides``, and the
+        model's EOS tokens when it names none."""
         cfg = replace(config or GenerateConfig(), **overrides)
         if cfg.eos_token_ids is None:
             cfg = replace(cfg, eos_token_ids=self.eos_token_ids)
@@ -239,39 +225,43 @@ class SelfSpec:
     # ---- generation -------------------------------------------------------------------
     def stream(self, prompt: Prompt, config: GenerateConfig | None = None, **overrides: Any) -> Iterator[StreamEvent]:
         """Yield text as tokens are accepted; the last event carries the full result."""
-        cfg = self._config(config, overrides)
+        cfg = self.resolve(config, **overrides)
         ids = self.encode(prompt)
-        eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids or [])
-        stats = GenerationStats()
-        text = TextStream(self.tokenizer, cfg.stop)
-        out: list[int] = []
-        finish = "length"
-        t0 = time.perf_counter()
-        blocks = self.engine.generate_tokens(ids, cfg, stats)
+        output = RequestOutput(self.tokenizer, cfg)
+        blocks = self.engine.generate_tokens(ids, cfg, output.stats)
         try:
             for block in blocks:
-                delta_ids: list[int] = []
-                delta = ""
-                for tok in block:
-                    out.append(tok)
-                    delta_ids.append(tok)
-                    if tok in eos:
-                        finish = "stop"
-                        break
-                    delta += text.push(tok)
-                    if text.stopped:
-                        finish = "stop"
-                        break
-                if finish == "stop":
-                    break
-                yield StreamEvent(delta, delta_ids)
+                ev = output.push(block)
+                yield ev
+                if ev.result is not None:
+                    return
         finally:
             blocks.close()
-        stats.new_tokens = len(out)
-        stats.wall_time = time.perf_counter() - t0
-        final = GenerationResult(text.text, out, finish, stats)
-        tail = delta + text.flush() if finish == "stop" else text.flush()
-        yield StreamEvent(tail, delta_ids if finish == "stop" else [], final)
+        yield output.end()
+
+    def scheduler(self, batch: BatchConfig | None = None) -> TextScheduler:
+        """A continuous-batching session over this model (``selfspec.batch``): ``add`` requests (token ids and a
+        GenerateConfig) at any time, ``step_events`` until none is ``busy``; the server runs one."""
+        return TextScheduler(self.engine, self.tokenizer, batch, self.eos_token_ids)
+
+    def generate_batch(self, prompts: list[Prompt], config: GenerateConfig | list[GenerateConfig] | None = None,
+                       batch: BatchConfig | None = None, **overrides: Any) -> list[GenerationResult]:
+        """Generate several completions together (continuous batching, see docs/BATCHING.md): ``config`` is one
+        GenerateConfig for all or one per prompt (``overrides`` apply to each). Every result equals that
+        prompt's own ``generate`` (same text, same tokens; seeded sampling included)."""
+        configs = config if isinstance(config, list) else [config] * len(prompts)
+        if len(configs) != len(prompts):
+            raise InvalidConfigError(f"generate_batch: {len(prompts)} prompts but {len(configs)} generation configs")
+        cfgs = [self.resolve(c, **overrides) for c in configs]
+        ids = [self.encode(p) for p in prompts]
+        sched = self.scheduler(batch or BatchConfig(max_batch=max(1, len(prompts))))
+        for i, c in zip(ids, cfgs):  # every request checked before any is added
+            validate_request(len(i), c, self.split.context_length)
+            self.engine.check_method(c.method)
+        reqs = [sched.add(i, c) for i, c in zip(ids, cfgs)]
+        while sched.busy:
+            sched.step_events()
+        return [r.output.result for r in reqs]
 
     def generate(self, prompt: Prompt, config: GenerateConfig | None = None, **overrides: Any) -> GenerationResult:
         """Generate a completion; returns text, token ids and stats."""

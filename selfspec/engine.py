@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +24,15 @@ from selfspec.config import GenerateConfig
 from selfspec.drafting.base import DraftBlock
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.errors import ContextOverflowError, EmptyPromptError, InvalidConfigError
-from selfspec.models.split import SplitModel
+from selfspec.models.split import Ride, SplitModel
 from selfspec.sampling import logits_to_probs, make_generator, pick
 from selfspec.specee.decode import SPECEE_METHODS, SpecEERunner
 from selfspec.state import SequenceState
 from selfspec.stats import GenerationStats
 from selfspec.verify import greedy_tree_verify, greedy_verify, speculative_verify, tree_sample_verify
+
+if TYPE_CHECKING:
+    from selfspec.batch.scheduler import BatchConfig
 
 METHODS = ("selfspec", "plain", *SPECEE_METHODS)
 MAX_TREE_NODES = 16  # the tree's head-drafted nodes (root included); the packed kernels take up to 16 rows
@@ -51,6 +56,20 @@ def validate_request(prompt_len: int, gen: GenerateConfig, context_length: int) 
             f"this model's context is {context_length} tokens, but the prompt has {prompt_len} tokens "
             f"and {gen.max_new_tokens} new tokens were requested ({prompt_len + gen.max_new_tokens} in all)"
         )
+
+
+@dataclass
+class BatchEntry:
+    """One sequence's part in ``Engine.step_batch``."""
+
+    seq: SequenceState
+    gen: GenerateConfig
+    stats: GenerationStats
+    remaining: int = 1  # tokens it may still emit (a round never drafts past remaining - 1)
+    speculative: bool = False  # drafts (selfspec) or plain steps
+    prompt: list[int] | None = None  # not prefilled yet: this round is its prefill
+    draft_cap: int = 1 << 30  # at most this many drafts from the exit head this round (the batch's rule)
+    lookup_cap: int = 1 << 30  # at most this many lookup drafts this round
 
 
 class Engine:
@@ -111,94 +130,86 @@ class Engine:
         stats.prompt_tokens, stats.new_tokens = len(prompt_ids), 1
         return seq
 
-    def decode_batch(self, seqs: list[SequenceState], gens: list[GenerateConfig]) -> list[int]:
-        """One plain step for several sequences at once: their pending tokens go through every layer as one
-        ragged batch (``SplitModel.run_layers_batch``: each attends to its own cache, every weight is read
-        once), then each picks its next token under its own settings and generator."""
-        split = self.split
-        ids = torch.tensor([[s.pending for s in seqs]], dtype=torch.long, device=split.device)  # [1, B]
-        hs = list(split.embed(ids).split(1, dim=1))  # B x [1, 1, hidden]
-        out = split.run_layers_batch(hs, 0, split.num_layers, [s.positions(s.length, 1) for s in seqs],
-                                     [s.cache for s in seqs])
-        logits = split.logits(torch.cat(out, dim=1))[0]  # [B, vocab]: the LM head read once for all
-        for j, (s, gen) in enumerate(zip(seqs, gens)):
-            s.length += 1
-            s.pending = pick(logits[j], gen, s.generator)
-        return [s.pending for s in seqs]
-
     def generate_batch(self, prompts: list[list[int]], gens: list[GenerateConfig],
-                       eos_token_ids: list[int] | None = None, method: str = "plain",
-                       stats: list[GenerationStats] | None = None) -> list[list[int]]:
-        """Several requests decoded together, each with its own prompt length, settings and seed: every prompt
-        is prefilled alone, then all unfinished sequences step as one batch until each reaches its
-        ``max_new_tokens`` or, unless it ignores EOS, an EOS token. ``method`` 'plain' steps them with
-        ``decode_batch``; 'selfspec' drafts per sequence and verifies all their blocks in one ragged pass
-        (``speculative_batch_step``). Each output equals that request's own batch-1 output.
+                       eos_token_ids: list[int] | None = None, method: str | None = "plain",
+                       stats: list[GenerationStats] | None = None, batch: BatchConfig | None = None) -> list[list[int]]:
+        """Several requests decoded together (``selfspec.batch.Scheduler``; all admitted at once unless
+        ``batch.max_batch`` is smaller), each with its own prompt length, settings and seed, each until its
+        ``max_new_tokens`` or, unless it ignores EOS, an EOS token. ``method`` decodes every request that
+        way (None: each its own ``gen.method``). Each output equals that request's own batch-1 output.
         -> new token ids per request, EOS included (``stats``, when given, gets one entry per request)."""
+        from selfspec.batch.scheduler import BatchConfig, Scheduler
+
         if len(prompts) != len(gens):
             raise InvalidConfigError(f"generate_batch: {len(prompts)} prompts but {len(gens)} generation configs")
-        if method not in ("plain", "selfspec"):
-            raise InvalidConfigError(f"generate_batch decodes with 'plain' or 'selfspec', not '{method}'")
-        speculative = method == "selfspec" and self.drafter is not None
-        eos = set(eos_token_ids or [])
-        seqs, outs = [], []
-        stats = stats if stats is not None else []
-        for ids, gen in zip(prompts, gens):  # every request checked before any is prefilled
+        sched = Scheduler(self, batch or BatchConfig(max_batch=max(1, len(prompts))), eos_token_ids)
+        gens = [g if method is None else replace(g, method=method) for g in gens]
+        for ids, gen in zip(prompts, gens):  # every request checked before any is added
             validate_request(len(ids), gen, self.split.context_length)
-        for ids, gen in zip(prompts, gens):
-            t0 = time.perf_counter()
-            st = GenerationStats()
-            seqs.append(self.start_sequence(ids, gen, speculative, st))
-            outs.append([seqs[-1].pending])
-            st.prefill_time = time.perf_counter() - t0
-            stats.append(st)
+            self.check_method(gen.method)
+        reqs = [sched.add(ids, gen) for ids, gen in zip(prompts, gens)]
+        sched.run()
+        if stats is not None:
+            stats.extend(r.stats for r in reqs)
+        return [r.out for r in reqs]
 
-        def live(j: int) -> bool:
-            done = len(outs[j]) >= gens[j].max_new_tokens or (not gens[j].ignore_eos and eos & set(outs[j][-1:]))
-            return not done
-
-        t0 = time.perf_counter()
-        while active := [j for j in range(len(seqs)) if live(j)]:
-            if speculative:
-                blocks = self.speculative_batch_step([seqs[j] for j in active], [gens[j] for j in active],
-                                                     [stats[j] for j in active],
-                                                     [gens[j].max_new_tokens - len(outs[j]) for j in active])
-            else:
-                blocks = [[t] for t in self.decode_batch([seqs[j] for j in active], [gens[j] for j in active])]
-                for j, b in zip(active, blocks):
-                    seqs[j].tokens.extend(b)
-                    stats[j].record_step(0, 0)
-            for j, block in zip(active, blocks):
-                block = block[: gens[j].max_new_tokens - len(outs[j])]
-                if not gens[j].ignore_eos and eos & set(block):  # cut after the first EOS
-                    block = block[: next(i for i, t in enumerate(block) if t in eos) + 1]
-                outs[j].extend(block)
-                stats[j].new_tokens = len(outs[j])
-                stats[j].wall_time = stats[j].prefill_time + time.perf_counter() - t0
-        return outs
-
-    def speculative_batch_step(self, seqs: list[SequenceState], gens: list[GenerateConfig],
-                               stats: list[GenerationStats], remaining: list[int]) -> list[list[int]]:
-        """One speculative round for several sequences: each drafts on its own (its policy, lookup, depth), then
-        the deep layers verify every sequence's block in one ragged pass (blocks of different lengths, no
-        padding), and each accepts its longest agreeing prefix as alone. Token trees step per sequence."""
+    def step_batch(self, entries: list[BatchEntry]) -> list[list[int]]:
+        """One round for several sequences at once, each as it would run alone: a new request's prompt (its
+        prefill), a plain step's pending token, or a speculative round's draft block (a chain, a lookup
+        match or a token tree, drafted per sequence under its own policy). All their rows then go through
+        the layers together (``SplitModel.run_rides``: each enters at its own layer, attends only to its own
+        cache, and every weight is read once per stage) and the LM head once; each sequence then picks,
+        verifies and rolls back on its own. Ragged blocks and ragged acceptance need no padding and no
+        realignment. -> the new tokens of each entry (a prefill's: its first token)."""
         split, drafter = self.split, self.drafter
-        out: list[list[int] | None] = [None] * len(seqs)
-        by_layer: dict[int, list[tuple[int, DraftBlock]]] = {}
-        for j, (seq, gen, rem) in enumerate(zip(seqs, gens, remaining)):
-            max_drafts = min(drafter.policy_of(seq).max_drafts(self.gamma), rem - 1)
-            if self.drafts_tree(max_drafts):
-                out[j] = self.tree_step(seq, gen, max_drafts, stats[j], rem - 1)
-                continue
-            block = drafter.propose(seq, max_drafts, gen, limit=rem - 1)
-            by_layer.setdefault(block.exit_layer or drafter.exit_layer, []).append((j, block))
-        for k, group in by_layer.items():  # blocks drafted at the same depth verify together
-            hs = split.run_layers_batch([b.exit_states for _, b in group], k, split.num_layers,
-                                        [seqs[j].positions(b.start, len(b.tokens) + 1) for j, b in group],
-                                        [seqs[j].cache for j, _ in group])
-            logits = split.logits(torch.cat(hs, dim=1)).split([h.shape[1] for h in hs], dim=1)  # LM head read once
-            for (j, b), h, lg in zip(group, hs, logits):
-                out[j] = self.verify_block(seqs[j], gens[j], b, h, stats[j], lg)
+        rides, blocks = [], []
+        for e in entries:
+            seq, block = e.seq, None
+            if e.prompt is not None:  # a prefill; a speculative one keeps its exit states for the drafter
+                ids = torch.tensor([e.prompt], dtype=torch.long, device=split.device)
+                ride = Ride(0, split.embed(ids), seq.positions(0, len(e.prompt)), seq.cache,
+                            capture=drafter.depth_of(seq) if e.speculative else None)
+            elif not e.speculative:
+                ride = self.ride_of(seq, None)
+            else:
+                max_drafts = min(drafter.policy_of(seq).max_drafts(self.gamma), e.remaining - 1, e.draft_cap)
+                limit = min(e.remaining - 1, e.lookup_cap)
+                if self.drafts_tree(max_drafts):
+                    block = self.propose_tree(seq, max_drafts, limit)
+                elif max_drafts > 0 or (limit > 0 and drafter.lookup_available(seq)):
+                    block = drafter.propose(seq, max_drafts, gen=e.gen, limit=limit)
+                if block is not None:
+                    ride = self.ride_of(seq, block)
+                else:  # nothing drafted: the pending token rides from the embeddings, its exit state kept
+                    ride = self.ride_of(seq, None)
+                    ride.capture = drafter.next_depth(seq)
+            rides.append(ride)
+            blocks.append(block)
+        hs = split.run_rides(rides)
+        rows = [h[:, -1:] if e.prompt is not None or not e.speculative else h for e, h in zip(entries, hs)]
+        logits = split.logits(torch.cat(rows, dim=1)).split([r.shape[1] for r in rows], dim=1)  # LM head read once
+        out = []
+        for e, ride, block, h, lg in zip(entries, rides, blocks, hs, logits):
+            seq = e.seq
+            if e.prompt is not None:
+                if e.speculative:
+                    drafter.start(seq, ride.captured, h)
+                seq.length = len(e.prompt)
+                seq.pending = pick(lg[0, -1], e.gen, seq.generator)
+                seq.tokens = [*e.prompt, seq.pending]
+                out.append([seq.pending])
+            elif not e.speculative:
+                seq.length += 1
+                seq.pending = pick(lg[0, -1], e.gen, seq.generator)
+                seq.tokens.append(seq.pending)
+                e.stats.record_step(0, 0)
+                out.append([seq.pending])
+            elif block is not None and block.tree is not None:
+                out.append(self.accept_tree(seq, e.gen, block, h, e.stats, lg))
+            else:
+                if block is None:
+                    block = DraftBlock([], None, ride.captured, start=seq.length, exit_layer=ride.capture)
+                out.append(self.verify_block(seq, e.gen, block, h, e.stats, lg))
         return out
 
     def drafts_tree(self, max_drafts: int) -> bool:
@@ -252,15 +263,38 @@ class Engine:
         """One round with a token tree: draft it, verify every node in one block of the deep layers
         under a tree mask, accept the longest agreeing path, and move that path's KV entries into
         place in every layer (the head's state is redone from the path by the drafter)."""
-        split, drafter = self.split, self.drafter
-        p = seq.length
+        block = self.propose_tree(seq, depth, limit)
+        r = self.ride_of(seq, block)
+        h = self.split.run_layers(r.h, r.layer, self.split.num_layers, r.positions, r.cache, tree=r.tree)
+        return self.accept_tree(seq, gen, block, h, stats)
+
+    def ride_of(self, seq: SequenceState, block: DraftBlock | None) -> Ride:
+        """The rows a round sends through the deep layers: a draft block's exit states from its depth (a tree's
+        nodes under its tree mask), or with no block (a plain step) the pending token from the embeddings."""
+        split = self.split
+        if block is None:
+            ids = torch.tensor([[seq.pending]], dtype=torch.long, device=split.device)
+            return Ride(0, split.embed(ids), seq.positions(seq.length, 1), seq.cache)
+        k = block.exit_layer or self.drafter.exit_layer
+        if block.tree is None:
+            return Ride(k, block.exit_states, seq.positions(block.start, len(block.tokens) + 1), seq.cache)
+        nodes = list(range(len(block.tree)))
+        return Ride(k, block.exit_states, block.tree.positions(nodes, block.start, split.device), seq.cache,
+                    block.tree.attention(nodes, block.start, split.device))
+
+    def propose_tree(self, seq: SequenceState, depth: int, limit: int) -> DraftBlock:
+        """A token tree of at most ``depth`` levels (capped so its head-drafted nodes fit MAX_TREE_NODES)."""
         depth = min(depth, max(1, (MAX_TREE_NODES - 1) // self.tree_width))
-        block = drafter.propose_tree(seq, depth, self.tree_width, limit)
-        tree, n = block.tree, len(block.tree)
-        pos = tree.positions(list(range(n)), p, split.device)
-        h = split.run_layers(block.exit_states, block.exit_layer or drafter.exit_layer, split.num_layers, pos, seq.cache,
-                             tree=tree.attention(list(range(n)), p, split.device))
-        target_logits = split.logits(h)[0]  # [nodes, vocab]
+        block = self.drafter.propose_tree(seq, depth, self.tree_width, limit)
+        block.levels = depth
+        return block
+
+    def accept_tree(self, seq: SequenceState, gen: GenerateConfig, block: DraftBlock, h: torch.Tensor,
+                    stats: GenerationStats, target_logits: torch.Tensor | None = None) -> list[int]:
+        """Verify a tree block from its nodes' last-layer states ``h`` ``# [1, nodes, hidden]`` (``target_logits``
+        ``# [1, nodes, vocab]`` when already computed), keep the accepted path's KV entries, sync, emit."""
+        tree, p, depth = block.tree, seq.length, block.levels
+        target_logits = (self.split.logits(h) if target_logits is None else target_logits)[0]  # [nodes, vocab]
         if gen.greedy:
             keep, nxt = greedy_tree_verify(tree.parents, tree.tokens, target_logits.argmax(-1))
         else:
@@ -271,7 +305,7 @@ class Engine:
         seq.length, seq.pending = p + 1 + m, nxt
         path = DraftBlock([tree.tokens[i] for i in keep[1:]], None, block.exit_states[:, keep], start=p,
                           exit_layer=block.exit_layer)
-        drafter.accepted(seq, path, m, h[:, keep], proposed=depth)
+        self.drafter.accepted(seq, path, m, h[:, keep], proposed=depth)
         stats.record_step(depth, m, "early_exit")
         stats.draft_depths[block.exit_layer] = stats.draft_depths.get(block.exit_layer, 0) + 1
         out = path.tokens + [nxt]

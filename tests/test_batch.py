@@ -11,11 +11,13 @@ from conftest import ARCHS, LAYERS, hf_greedy, tiny_model
 from test_engine_equality import NEW, prompt_of
 
 from selfspec import SelfSpec
+from selfspec.batch.scheduler import BatchConfig
 from selfspec.config import GenerateConfig
 from selfspec.errors import InvalidConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LENGTHS = (1, 7, 13, 4)
+DRAFTING = BatchConfig(draft_batch=8, lookup_rows=64)  # every sequence drafts from the head in any batch
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -86,7 +88,7 @@ def test_batched_speculative_greedy_equals_each_request_alone(arch):
         gens = [GenerateConfig(max_new_tokens=NEW - 3 * j, ignore_eos=True) for j in range(len(prompts))]
         stats: list = []
         with torch.inference_mode():
-            outs = ss.engine.generate_batch(prompts, gens, method="selfspec", stats=stats)
+            outs = ss.engine.generate_batch(prompts, gens, method="selfspec", stats=stats, batch=DRAFTING)
         for j, (p, out) in enumerate(zip(prompts, outs)):
             assert out == hf_greedy(ss.model, p, NEW - 3 * j), (arch, tree_width, j)
         accepts = [a for st in stats for a in st.accept_lengths]
@@ -99,12 +101,13 @@ def test_batched_speculative_sampling_and_eos_per_request():
     prompts = [prompt_of(n, n + 5) for n in LENGTHS]
     gens = [GenerateConfig(max_new_tokens=12, temperature=0.8, seed=10 + j, ignore_eos=True) for j in range(4)]
     with torch.inference_mode():
-        batched = ss.engine.generate_batch(prompts, gens, method="selfspec")
+        batched = ss.engine.generate_batch(prompts, gens, method="selfspec", batch=DRAFTING)
     assert batched == [ss.generate(p, g).token_ids for p, g in zip(prompts, gens)]  # method selfspec, alone
     alone = [hf_greedy(ss.model, p, NEW) for p in prompts]
     eos = alone[1][5]
     with torch.inference_mode():
-        outs = ss.engine.generate_batch(prompts, [GenerateConfig(max_new_tokens=NEW)] * 4, [eos], method="selfspec")
+        outs = ss.engine.generate_batch(prompts, [GenerateConfig(max_new_tokens=NEW)] * 4, [eos], method="selfspec",
+                                        batch=DRAFTING)
     assert outs == [hf_greedy(ss.model, p, NEW, eos=[eos]) for p in prompts] and len(outs[1]) <= 6
-    with pytest.raises(InvalidConfigError, match="'plain' or 'selfspec'"):
+    with pytest.raises(InvalidConfigError, match="needs SpecEE predictors"):
         ss.engine.generate_batch(prompts, gens, method="specee")

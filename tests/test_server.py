@@ -11,6 +11,7 @@ import re
 import socket
 import threading
 import time
+import types
 
 import httpx
 import openai
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from selfspec.api import GenerationResult, StreamEvent
+from selfspec.batch.scheduler import BatchConfig
 from selfspec.config import GenerateConfig
 from selfspec.server.app import create_app, make_server
 from selfspec.server.errors import QueueFullError, ShuttingDownError
@@ -41,31 +43,63 @@ def wait_for(cond, timeout: float) -> bool:
 
 # ---- the worker and the metrics, on a fake engine ------------------------------------------------
 class FakeEngine:
-    """Streams ``blocks`` one-token events per prompt; ``gate`` holds every block while cleared."""
+    """A fake batching engine: each request streams ``blocks`` one-token events, one per step, up to
+    ``max_batch`` requests per step; ``gate`` holds every step while cleared."""
 
     def __init__(self, blocks: int = 3, delay: float = 0.0) -> None:
         self.blocks, self.delay = blocks, delay
-        self.calls: list[int] = []
-        self.closed: list[int] = []
+        self.calls: list[int] = []  # requests in the order they were admitted into the batch
+        self.closed: list[int] = []  # ... and left it (finished or cancelled)
+        self.step_sizes: list[int] = []
         self.gate = threading.Event()
         self.gate.set()
 
-    def stream(self, prompt, config=None):
-        name = prompt[0]
-        self.calls.append(name)
-        ids: list[int] = []
-        try:
-            for i in range(self.blocks):
-                assert self.gate.wait(10)
-                time.sleep(self.delay)
-                ids.append(i)
-                yield StreamEvent(f"{name}.{i} ", [i])
-            stats = GenerationStats(prompt_tokens=1, new_tokens=len(ids), steps=len(ids),
-                                    accept_lengths=[1] * len(ids), proposed_per_position=[len(ids)],
-                                    accepted_per_position=[0])
-            yield StreamEvent("", [], GenerationResult("", ids, "length", stats))
-        finally:
-            self.closed.append(name)
+    def scheduler(self, batch):
+        return FakeScheduler(self, batch.max_batch)
+
+
+class FakeScheduler:
+    def __init__(self, eng: FakeEngine, max_batch: int) -> None:
+        self.eng, self.max_batch = eng, max_batch
+        self.waiting: list = []
+        self.running: list = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, prompt_ids, gen, tag=None):
+        req = types.SimpleNamespace(name=prompt_ids[0], tag=tag, ids=[], started=None)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req) -> None:
+        for pool in (self.waiting, self.running):
+            if req in pool:
+                pool.remove(req)
+                self.eng.closed.append(req.name) if pool is self.running else None
+
+    def step_events(self):
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting.pop(0)
+            self.eng.calls.append(req.name)
+            self.running.append(req)
+        assert self.eng.gate.wait(10)
+        time.sleep(self.eng.delay)
+        self.eng.step_sizes.append(len(self.running))
+        events = []
+        for req in list(self.running):
+            i = len(req.ids)
+            req.ids.append(i)
+            events.append((req, StreamEvent(f"{req.name}.{i} ", [i])))
+            if len(req.ids) == self.eng.blocks:
+                n = len(req.ids)
+                stats = GenerationStats(prompt_tokens=1, new_tokens=n, steps=n, accept_lengths=[1] * n,
+                                        proposed_per_position=[n], accepted_per_position=[0])
+                events.append((req, StreamEvent("", [], GenerationResult("", req.ids, "length", stats))))
+                self.running.remove(req)
+                self.eng.closed.append(req.name)
+        return events
 
 
 async def drain(job: Job) -> list[StreamEvent]:
@@ -80,7 +114,7 @@ def test_worker_is_fifo_and_skips_cancelled_jobs():
         eng = FakeEngine(blocks=3)
         eng.gate.clear()
         metrics = Metrics()
-        w = Worker(eng, max_queue=8, metrics=metrics)
+        w = Worker(eng, max_queue=8, metrics=metrics, batch=BatchConfig(max_batch=1))
         jobs = [w.submit(Job([i], GenerateConfig())) for i in range(5)]
         assert wait_for(lambda: w.depth() == (4, 1), 5)  # job 0 runs (held by the gate), four wait
         jobs[2].cancel()  # a client that left while queued
@@ -126,7 +160,7 @@ def test_worker_queue_limit_and_shutdown():
     async def scenario():
         eng = FakeEngine(blocks=3)
         eng.gate.clear()
-        w = Worker(eng, max_queue=2)
+        w = Worker(eng, max_queue=2, batch=BatchConfig(max_batch=1))
         a = w.submit(Job([1], GenerateConfig()))
         b = w.submit(Job([2], GenerateConfig()))
         assert wait_for(lambda: w.depth() == (1, 1), 5)  # a runs (held by the gate), b waits
@@ -393,7 +427,7 @@ def test_disconnecting_clients_free_the_engine(server, ss):
         with pytest.raises(httpx.ReadTimeout):
             h.post("/v1/completions", json=long, timeout=httpx.Timeout(60, read=1.0))
         blocker.join(30)
-        assert wait_for(lambda: worker.current is None and worker.depth() == (0, 0), 20)
+        assert wait_for(lambda: worker.depth() == (0, 0), 20)
         assert wait_for(lambda: metric(server, 'selfspec_generations_total{outcome="cancelled"}') == cancelled + 3, 10)
         t0 = time.perf_counter()
         r = h.post("/v1/completions", json={**long, "max_tokens": 4, "ignore_eos": False})

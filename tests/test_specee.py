@@ -78,7 +78,7 @@ def test_kv_of_skipped_layers_equals_a_full_forward(arch, tmp_path):
     rng = random.Random(arch)
     for i in runner.predictors.layers:  # random decisions: exits at every layer, in every order
         runner.predictors[i].prob_of = lambda feats: rng.random()
-    gen = ss._config(None, {"max_new_tokens": 40, "method": "specee", "ignore_eos": True})
+    gen = ss.resolve(max_new_tokens=40, method="specee", ignore_eos=True)
     with torch.inference_mode():
         seq = eng.new_sequence(len(PROMPT), gen)
         seq.tokens = [*PROMPT, eng.prefill(seq, PROMPT, gen, speculative=True)]

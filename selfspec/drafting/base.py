@@ -26,6 +26,7 @@ class DraftBlock:
     source: str = "early_exit"  # or "lookup" (n-gram match): each source learns its own acceptance
     exit_layer: int | None = None  # depth the exit states come from (verification starts there); None: the drafter's
     tree: Any = None  # a TokenTree (selfspec.drafting.tree): tokens are its nodes 1.., exit_states all nodes
+    levels: int = 0  # a tree's depth in levels (what its policy learns from); 0 for chains
 
 
 class Drafter(Protocol):

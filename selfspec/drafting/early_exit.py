@@ -57,7 +57,7 @@ class EarlyExitDrafter:
         """The exit depth of ``seq``'s next round (the head's own layer unless a depth policy chose another)."""
         return seq.depth or self.exit_layer
 
-    def _next_depth(self, seq: SequenceState) -> int:
+    def next_depth(self, seq: SequenceState) -> int:
         """At the start of a round: take the depth the policy chose (DepthBandit), if any."""
         depth = getattr(self.policy_of(seq), "depth", None)
         if depth is not None:
@@ -140,7 +140,7 @@ class EarlyExitDrafter:
         return self.lookup > 0 and bool(seq.tokens) and bool(self._ngram_index(seq).continuation(1))
 
     def propose(self, seq: SequenceState, max_drafts: int, gen, limit: int | None = None) -> DraftBlock:
-        k, policy = self._next_depth(seq), self.policy_of(seq)
+        k, policy = self.next_depth(seq), self.policy_of(seq)
         if self.lookup > 0 and seq.tokens:
             block = self._lookup(seq, max_drafts if limit is None else limit)
             if block is not None:
@@ -185,7 +185,7 @@ class EarlyExitDrafter:
         plus the lookup continuation as one more branch (at most ``limit`` long). Each level's nodes go
         through the shallow layers as one tree block and then through the head (the deepest level skips
         the head), so every node's exit state is ready for verification."""
-        split, k, p, head = self.split, self._next_depth(seq), seq.length, self.head
+        split, k, p, head = self.split, self.next_depth(seq), seq.length, self.head
         dev = split.device
         tree = TokenTree.root(seq.pending)
         ids = torch.tensor([[seq.pending]], dtype=torch.long, device=dev)

@@ -52,6 +52,19 @@ def check_supported(model_type: str) -> None:
         )
 
 
+@dataclass
+class Ride:
+    """One sequence's rows in ``SplitModel.run_rides``: they enter at ``layer`` and run to the last layer."""
+
+    layer: int  # the first layer the rows go through (0: embeddings; k: exit states of layers [0, k))
+    h: torch.Tensor  # [1, n, hidden] the rows' states entering ``layer``
+    positions: torch.Tensor  # [1, n] absolute positions
+    cache: KVCache  # the sequence's own cache
+    tree: TreeAttention | None = None  # the rows are nodes of a token tree
+    capture: int | None = None  # also keep the states after this many layers ...
+    captured: torch.Tensor | None = None  # ... here, # [1, n, hidden]
+
+
 class SplitModel:
     """The target model seen as embed -> layers[i:j] -> final norm -> LM head."""
 
@@ -173,6 +186,24 @@ class SplitModel:
                                         at, trees[j] is None))
             self.fast_layers[i].forward_segments(h, segments)
         return [h[:, o : o + n] for o, n in zip(offsets, sizes)]
+
+    def run_rides(self, rides: list[Ride]) -> list[torch.Tensor]:  # per ride [1, n, hidden] after the last layer
+        """Rows of several sequences that enter the model at different layers (a plain step's token at layer 0,
+        a draft block's exit states at its exit depth) ride to the last layer together: the layers are run
+        in stages cut at every entry layer, and from its entry on each ride joins the stage's ragged batch
+        (``run_layers_batch``), so every weight of a stage is read once for all rows in it. A ride with
+        ``capture`` also keeps its states after that layer (a speculative prefill's exit states)."""
+        cuts = sorted({r.layer for r in rides} | {r.capture for r in rides if r.capture is not None} | {self.num_layers})
+        cur = [r.h for r in rides]
+        for lo, hi in zip(cuts, cuts[1:]):
+            on = [j for j, r in enumerate(rides) if r.layer <= lo]
+            outs = self.run_layers_batch([cur[j] for j in on], lo, hi, [rides[j].positions for j in on],
+                                         [rides[j].cache for j in on], [rides[j].tree for j in on])
+            for j, h in zip(on, outs):
+                cur[j] = h
+                if rides[j].capture == hi:
+                    rides[j].captured = h
+        return cur
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self._fast_norm(h) if self.fast_layers else self.norm(h)

@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from selfspec.batch.scheduler import BatchConfig
 from selfspec.config import DraftConfig, ModelConfig
 from selfspec.server.config import ServeConfig
 from selfspec.server.errors import install_handlers
@@ -42,15 +43,16 @@ def _info(ss: Any, name: str) -> dict[str, Any]:
 
 
 def create_app(ss: Any, api_key: str | None = None, model_name: str | None = None, max_queue: int = 64,
-               method: str = "selfspec") -> FastAPI:
+               method: str = "selfspec", batch: BatchConfig | None = None) -> FastAPI:
     """A FastAPI app serving ``ss`` (a SelfSpec). Its worker thread starts and stops with the app's
-    lifespan; only that thread ever calls the engine. ``method``: the decoding method of requests that
-    name none ('specee' is lossy)."""
+    lifespan; only that thread ever calls the engine, batching up to ``batch.max_batch`` requests at once.
+    ``method``: the decoding method of requests that name none ('specee' is lossy)."""
     name = model_name or ss.model_id
     if method in SPECEE_METHODS:
         ss.engine.check_method(method)
-    metrics = Metrics({**_info(ss, name), "method": method, "lossy": method == "specee"})
-    worker = Worker(ss, max_queue=max_queue, metrics=metrics)
+    batch = batch or BatchConfig()
+    metrics = Metrics({**_info(ss, name), "method": method, "lossy": method == "specee", "max_batch": batch.max_batch})
+    worker = Worker(ss, max_queue=max_queue, metrics=metrics, batch=batch)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -89,14 +91,15 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, gracefu
     return GracefulServer(config, app.state.selfspec.worker, graceful_timeout)
 
 
-def serve(ss: Any, cfg: ServeConfig) -> None:
+def serve(ss: Any, cfg: ServeConfig, batch: BatchConfig | None = None) -> None:
     """Serve until Ctrl-C / SIGTERM."""
     api_key = cfg.api_key if cfg.api_key is not None else os.environ.get("SELFSPEC_API_KEY") or None
     if not api_key and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it", cfg.host)
     if cfg.method == "specee":
         log.warning("serving with method 'specee' by default: LOSSY, outputs may differ from the model's own")
-    app = create_app(ss, api_key=api_key, model_name=cfg.model_name, max_queue=cfg.max_queue, method=cfg.method)
+    app = create_app(ss, api_key=api_key, model_name=cfg.model_name, max_queue=cfg.max_queue, method=cfg.method,
+                     batch=batch)
     make_server(app, cfg.host, cfg.port, cfg.graceful_timeout, cfg.log_level).run()
 
 
@@ -107,7 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, ServeConfig)
     ss = SelfSpec.load(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig))
     try:
-        serve(ss, cfg)
+        serve(ss, cfg, config_from_args(args, BatchConfig))
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once the graceful shutdown is done
         pass
     return 0
@@ -121,4 +124,5 @@ def add_parser(sub: Any) -> None:
     add_config_args(p, ModelConfig)
     add_config_args(p, DraftConfig)
     add_config_args(p, ServeConfig)
+    add_config_args(p, BatchConfig)
     p.set_defaults(func=cmd_serve)

@@ -1,17 +1,19 @@
-"""One worker thread owns the engine; requests wait in a FIFO queue and are decoded one at a time.
+"""One worker thread owns the engine and batches continuously: requests join and leave the running
+batch between steps.
 
     handler (event loop)                         worker thread
-    job = Job(ids, config); worker.submit(job) -> queue.get() -> for ev in ss.stream(...):
-    async for ev in job.events(): ...         <- job.emit(ev)       if job.cancelled: break
+    job = Job(ids, config); worker.submit(job) -> queue -> sched.add(job)   (joins at the next step)
+                                                  loop: for req, ev in sched.step_events():
+    async for ev in job.events(): ...         <-          req.tag.emit(ev)
+    client gone: job.cancel()                 ->      cancelled jobs: sched.cancel(req)  (leaves now)
 
 Each request's state lives in its ``Job`` (prompt, settings, cancel flag, event queue), never in
-globals. A client that goes away calls ``job.cancel()``: a queued job is skipped when it comes up
-(and stops counting against ``max_queue`` at once), a running one stops after the current block
-(one speculative step), so the engine moves on to the next request. Shutdown stops admitting new
-jobs, gives the admitted ones a grace period, then cancels what is left with a 503 error event.
-
-Batching (a later issue) plugs in at ``Worker._serve``: instead of running one job, pop up to B
-jobs from the same FIFO and step them together; ``Job`` and the handlers stay as they are.
+globals; its decoding state lives in the scheduler's ``BatchRequest`` (``selfspec.batch``). Up to
+``max_batch`` requests decode together, each with its own settings, seed and stop strings, and
+each gets exactly the output it would get alone; the rest wait in FIFO order. A client that goes
+away calls ``job.cancel()``: a waiting job is dropped and stops counting against ``max_queue`` at
+once, a running one leaves the batch before the next step. Shutdown stops admitting new jobs,
+gives the admitted ones a grace period, then cancels what is left with a 503 error event.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import uuid
 from typing import Any, Protocol
 
 from selfspec.api import StreamEvent
+from selfspec.batch.scheduler import BatchConfig
 from selfspec.config import GenerateConfig
 from selfspec.errors import SelfSpecError
 from selfspec.server.errors import APIError, QueueFullError, ShuttingDownError
@@ -33,10 +36,22 @@ log = logging.getLogger("selfspec.server")
 _END = object()
 
 
-class Streamer(Protocol):
-    """What the worker needs from the engine (a SelfSpec)."""
+class BatchSession(Protocol):
+    """What the worker drives (``selfspec.batch.TextScheduler``; tests use a fake)."""
 
-    def stream(self, prompt: Any, config: GenerateConfig | None = None, **overrides: Any) -> Any: ...
+    busy: bool
+
+    def add(self, prompt_ids: list[int], gen: GenerateConfig, tag: Any = None) -> Any: ...
+
+    def cancel(self, req: Any) -> None: ...
+
+    def step_events(self) -> list[tuple[Any, StreamEvent]]: ...
+
+
+class Engine(Protocol):
+    """What the worker needs from the engine (a SelfSpec): a continuous-batching session."""
+
+    def scheduler(self, batch: BatchConfig | None = None) -> BatchSession: ...
 
 
 class Job:
@@ -92,15 +107,16 @@ class Job:
 class Worker:
     """The FIFO queue and the thread that owns the engine."""
 
-    def __init__(self, engine: Streamer, max_queue: int = 64, metrics: Any = None) -> None:
+    def __init__(self, engine: Engine, max_queue: int = 64, metrics: Any = None, batch: BatchConfig | None = None) -> None:
         self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self.batch = batch or BatchConfig()
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._jobs: set[Job] = set()  # admitted, not finished
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._timer: threading.Timer | None = None
         self.accepting = True
-        self.current: Job | None = None
+        self._sched: BatchSession | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -158,45 +174,81 @@ class Worker:
         """(waiting, running) jobs that are not cancelled."""
         with self._lock:
             live = [j for j in self._jobs if not j.cancelled]
-        running = sum(j is self.current for j in live)
+        batch = list(getattr(self._sched, "running", ()))  # the scheduler's own list: admitted into the batch
+        running = sum(getattr(r, "tag", None) in live for r in batch)
         return len(live) - running, running
 
     # ---- the thread -------------------------------------------------------------------------
     def _serve(self) -> None:
+        sched = self._sched = self.engine.scheduler(self.batch)
+        reqs: dict[Job, Any] = {}
+        stopping = False
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self.current = job
+            try:  # block for work only when there is nothing to step
+                job = self._queue.get(timeout=None) if not sched.busy and not stopping else self._queue.get_nowait()
+                while True:
+                    if job is None:
+                        stopping = True
+                    else:
+                        self._admit(sched, reqs, job)
+                    job = self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            for job, req in list(reqs.items()):  # clients gone, shutdown: leave the batch now
+                if job.cancelled:
+                    sched.cancel(req)
+                    self._finish(reqs, job)
+            if not sched.busy:
+                if stopping:
+                    return
+                continue
             try:
-                self._run(job)
-            finally:
-                self.current = None
+                events = sched.step_events()
+            except Exception as e:  # a bug or an engine failure: fail this batch's requests, keep serving
+                log.exception("a batched step failed; failing its %d requests", len(reqs))
+                for job, req in list(reqs.items()):
+                    sched.cancel(req)
+                    job.emit(e)
+                    self._finish(reqs, job)
+                continue
+            now = time.perf_counter()
+            for req, ev in events:
+                job = req.tag
+                if job not in reqs:
+                    continue
+                if job.started is None:
+                    job.started = getattr(req, "started", None) or now
+                if job.first_event is None:
+                    job.first_event = now
+                job.tokens += len(ev.token_ids)
+                if ev.result is not None:
+                    job.result = ev.result
+                job.emit(ev)
+                if ev.result is not None:
+                    self._finish(reqs, job)
 
-    def _run(self, job: Job) -> None:
-        job.started = time.perf_counter()
+    def _admit(self, sched: BatchSession, reqs: dict[Job, Any], job: Job) -> None:
+        """A job from the queue joins the scheduler (it waits there for a free slot in the batch)."""
+        if job.cancelled:
+            self._finish(reqs, job)
+            return
         try:
-            if not job.cancelled:
-                for ev in self.engine.stream(job.prompt_ids, job.config):
-                    if job.cancelled:
-                        break
-                    if job.first_event is None:
-                        job.first_event = time.perf_counter()
-                    job.tokens += len(ev.token_ids)
-                    if ev.result is not None:
-                        job.result = ev.result
-                    job.emit(ev)
+            reqs[job] = sched.add(job.prompt_ids, job.config, tag=job)
         except SelfSpecError as e:  # bad input the handler did not catch up front: it becomes a 400
             job.emit(e)
-        except Exception as e:  # a bug or an engine failure: report it, keep serving
-            log.exception("generation failed for job %s", job.id)
+            self._finish(reqs, job)
+        except Exception as e:
+            log.exception("could not admit job %s", job.id)
             job.emit(e)
-        finally:
-            if job.cancelled and job.cancel_error is not None and job.result is None:
-                job.emit(job.cancel_error)
-            job.emit(_END)
-            job.finished = time.perf_counter()
-            with self._lock:
-                self._jobs.discard(job)
-            if self.metrics is not None:
-                self.metrics.job_done(job)
+            self._finish(reqs, job)
+
+    def _finish(self, reqs: dict[Job, Any], job: Job) -> None:
+        reqs.pop(job, None)
+        if job.cancelled and job.cancel_error is not None and job.result is None:
+            job.emit(job.cancel_error)
+        job.emit(_END)
+        job.finished = time.perf_counter()
+        with self._lock:
+            self._jobs.discard(job)
+        if self.metrics is not None:
+            self.metrics.job_done(job)

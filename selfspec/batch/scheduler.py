@@ -1,0 +1,211 @@
+"""Continuous batching: a pool of live requests that step together, joining and leaving between steps.
+
+    sched = Scheduler(engine, BatchConfig(max_batch=8), eos_token_ids=[2])
+    a = sched.add(prompt_ids, GenerateConfig(max_new_tokens=64))     # waits for the next step
+    while sched.busy:
+        for req, block in sched.step():   # admitted requests are prefilled, running ones take a round
+            ...                            # block: the tokens req accepted this step (EOS cut, length cut)
+        b = sched.add(...)                 # joins at the next step; sched.cancel(a) leaves now
+
+Each step is one ``Engine.step_batch``: newcomers' prompts, plain steps and every speculative
+sequence's own draft block (chain, lookup match or token tree) go through the layers together,
+each sequence over its own KV cache, so any mix of lengths, block sizes and acceptance steps
+together with no padding and no realignment (EXSPEC's "pool of sequences that can step
+together" is every live sequence here). SpecEE requests (methods 'specee', 'specee-verified')
+have their own loop and step alone, one round per batch step.
+
+How much a sequence drafts depends on the batch (``BatchConfig``): a draft row is nearly free
+at batch 1, where one step reads all the weights for one token, and costs its full share at
+batch 8, where a step already carries 8 tokens. See docs/BATCHING.md for the measurements.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from selfspec.config import GenerateConfig, opt
+from selfspec.engine import BatchEntry, Engine, validate_request
+from selfspec.errors import InvalidConfigError
+from selfspec.outputs import RequestOutput, StreamEvent
+from selfspec.specee.decode import SPECEE_METHODS
+from selfspec.state import SequenceState
+from selfspec.stats import GenerationStats
+
+
+@dataclass
+class BatchConfig:
+    """How requests are batched."""
+
+    max_batch: int = opt(8, "Most requests decoding at once; more wait for a free slot (FIFO).")
+    draft_batch: int = opt(
+        1, "Largest batch in which sequences draft from the exit head (above it they verify lookup matches "
+        "only); at batch 1 a draft row is nearly free, in a batch of B it costs about 1/B of a step.")
+    lookup_rows: int = opt(
+        16, "Lookup drafts a batched step may carry in all, shared by its sequences (each gets at most "
+        "lookup_rows // batch, and never more than DraftConfig.lookup); 0: no lookup in batches.")
+
+    def caps(self, batch: int) -> tuple[int, int]:
+        """(exit-head drafts, lookup drafts) a sequence may draft in a step of ``batch`` sequences."""
+        if batch <= 1:
+            return 1 << 30, 1 << 30
+        return (1 << 30 if batch <= self.draft_batch else 0), self.lookup_rows // batch
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class BatchRequest:
+    """One request in the scheduler: its settings, its sequence and what it has emitted."""
+
+    prompt_ids: list[int]
+    gen: GenerateConfig
+    eos: frozenset[int]
+    tag: Any = None  # the caller's handle (e.g. the server's job)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    seq: SequenceState | None = None
+    out: list[int] = field(default_factory=list)  # new tokens so far (an ending EOS included)
+    solo: Iterator[list[int]] | None = None  # a SpecEE request's own loop
+    done: bool = False  # max_new_tokens reached, EOS emitted, or cancelled
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when it was admitted (prefilled)
+    output: RequestOutput | None = None  # its text side (TextScheduler)
+
+    @property
+    def remaining(self) -> int:
+        return self.gen.max_new_tokens - len(self.out)
+
+
+class Scheduler:
+    """The pool of live requests of one engine; only one thread may call it."""
+
+    def __init__(self, engine: Engine, config: BatchConfig | None = None, eos_token_ids: list[int] | None = None) -> None:
+        self.engine, self.config = engine, config or BatchConfig()
+        if self.config.max_batch < 1:
+            raise InvalidConfigError(f"max_batch must be >= 1, got {self.config.max_batch}")
+        self.eos = frozenset(eos_token_ids or [])
+        self.waiting: list[BatchRequest] = []
+        self.running: list[BatchRequest] = []
+        self.steps = 0  # batched steps run
+        self.step_sizes: dict[int, int] = {}  # sequences in a step -> steps of that size
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, prompt_ids: list[int], gen: GenerateConfig, tag: Any = None) -> BatchRequest:
+        """Queue a request; it is checked now (bad settings, empty prompt, too long raise here, the batch
+        untouched) and prefilled at the next step with a free slot."""
+        validate_request(len(prompt_ids), gen, self.engine.split.context_length)
+        self.engine.check_method(gen.method)
+        eos = frozenset() if gen.ignore_eos else frozenset(gen.eos_token_ids) if gen.eos_token_ids is not None else self.eos
+        req = BatchRequest(list(prompt_ids), gen, eos, tag)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: BatchRequest) -> None:
+        """Take a request out now (a client gone, a stop string found by the caller); frees its slot."""
+        req.done = True
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req.solo is not None:
+            req.solo.close()
+
+    def _speculative(self, req: BatchRequest) -> bool:
+        return req.gen.method == "selfspec" and self.engine.drafter is not None
+
+    def _admit(self) -> list[BatchRequest]:
+        new = []
+        while self.waiting and len(self.running) < self.config.max_batch:
+            req = self.waiting.pop(0)
+            req.started = time.perf_counter()
+            if req.gen.method in SPECEE_METHODS:
+                req.solo = self.engine.generate_tokens(req.prompt_ids, req.gen, req.stats)
+            else:
+                req.seq = self.engine.new_sequence(len(req.prompt_ids), req.gen)
+                if self._speculative(req):
+                    self.engine.drafter.begin(req.seq, req.gen.seed)
+                req.stats.prompt_tokens = len(req.prompt_ids)
+            self.running.append(req)
+            new.append(req)
+        return new
+
+    def step(self) -> list[tuple[BatchRequest, list[int]]]:
+        """Admit waiting requests into free slots (their prefill is this step's round for them), run one
+        round for every running request, and return each one's new tokens. Finished requests leave."""
+        import torch
+
+        new = set(map(id, self._admit()))
+        if not self.running:
+            return []
+        t0 = time.perf_counter()
+        batch = [r for r in self.running if r.solo is None]
+        head_cap, lookup_cap = self.config.caps(len(self.running))
+        entries = [BatchEntry(r.seq, r.gen, r.stats, r.remaining, self._speculative(r),
+                              r.prompt_ids if id(r) in new else None, head_cap, lookup_cap) for r in batch]
+        with torch.inference_mode():
+            blocks = dict(zip(map(id, batch), self.engine.step_batch(entries))) if entries else {}
+            for r in self.running:
+                if r.solo is not None:
+                    blocks[id(r)] = next(r.solo, [])
+        self.steps += 1
+        self.step_sizes[len(self.running)] = self.step_sizes.get(len(self.running), 0) + 1
+        out = []
+        elapsed = time.perf_counter() - t0
+        for r in list(self.running):
+            block = blocks[id(r)][: r.remaining]
+            if r.eos & set(block):  # cut after the first EOS
+                block = block[: next(i for i, t in enumerate(block) if t in r.eos) + 1]
+            r.out.extend(block)
+            if id(r) in new and r.solo is None:
+                r.stats.prefill_time = elapsed
+            r.stats.new_tokens = len(r.out)
+            r.stats.wall_time = time.perf_counter() - (r.started or t0)
+            if not block or r.remaining <= 0 or (r.eos & set(block)):
+                r.done = True
+                self.running.remove(r)
+                if r.solo is not None:
+                    r.solo.close()
+            out.append((r, block))
+        return out
+
+    def run(self) -> None:
+        """Step until every request added so far has finished."""
+        while self.busy:
+            self.step()
+
+
+class TextScheduler(Scheduler):
+    """The scheduler with each request's text side: steps give ``StreamEvent``s, cut at EOS and stop strings
+    exactly as ``SelfSpec.stream`` cuts them (a request whose stop string appears leaves the batch at once);
+    a request's last event carries its ``GenerationResult``."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, config: BatchConfig | None = None,
+                 eos_token_ids: list[int] | None = None) -> None:
+        super().__init__(engine, config, eos_token_ids)
+        self.tokenizer = tokenizer
+
+    def add(self, prompt_ids: list[int], gen: GenerateConfig, tag: Any = None) -> BatchRequest:
+        if gen.eos_token_ids is None:  # the model's EOS tokens, for the text side as for the engine
+            gen = replace(gen, eos_token_ids=sorted(self.eos))
+        req = super().add(prompt_ids, gen, tag)
+        req.output = RequestOutput(self.tokenizer, gen, req.stats)
+        return req
+
+    def step_events(self) -> list[tuple[BatchRequest, StreamEvent]]:
+        """One step; the events it produced, in order (a request that ends gets its final event last)."""
+        events = []
+        for req, block in self.step():
+            ev = req.output.push(block)
+            if ev.text or ev.token_ids or ev.result is not None:
+                events.append((req, ev))
+            if ev.result is None and req.done:  # the engine stopped it: max_new_tokens
+                events.append((req, req.output.end()))
+            elif ev.result is not None and not req.done:  # a stop string: leave the batch now
+                self.cancel(req)
+        return events
