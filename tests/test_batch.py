@@ -111,3 +111,51 @@ def test_batched_speculative_sampling_and_eos_per_request():
     assert outs == [hf_greedy(ss.model, p, NEW, eos=[eos]) for p in prompts] and len(outs[1]) <= 6
     with pytest.raises(InvalidConfigError, match="needs SpecEE predictors"):
         ss.engine.generate_batch(prompts, gens, method="specee")
+
+
+@pytest.mark.parametrize("method", ["plain", "selfspec"])
+def test_requests_join_mid_batch_and_wait_for_a_free_slot(method):
+    """Continuous batching: requests added while others run join at the next step, requests beyond
+    max_batch wait for a slot, a cancelled request leaves at once; every output still equals its own."""
+    from selfspec.batch.scheduler import Scheduler
+
+    ss = _spec_ss("llama", tree_width=2 if method == "selfspec" else 0)
+    prompts = [prompt_of(n, n + 5) for n in (3, 9, 1, 12, 6)]
+    want = [hf_greedy(ss.model, p, NEW) for p in prompts]
+    sched = Scheduler(ss.engine, BatchConfig(max_batch=3, draft_batch=3, lookup_rows=64))
+    gen = GenerateConfig(max_new_tokens=NEW, ignore_eos=True, method=method)
+    first = [sched.add(p, gen) for p in prompts[:2]]
+    sizes = []
+    for _ in range(3):
+        sched.step()
+        sizes.append(len(sched.running))
+    late = [sched.add(p, gen) for p in prompts[2:]]  # three join while two run: two wait for a slot
+    sched.step()
+    assert len(sched.running) == 3 and len(sched.waiting) == 2
+    doomed = sched.add(prompts[0], gen)
+    sched.step()
+    sched.cancel(doomed)
+    assert doomed.done and doomed not in sched.waiting + sched.running
+    sched.run()
+    assert [r.out for r in first + late] == want
+    assert all(r.done for r in first + late) and sizes == [2, 2, 2]
+
+
+@pytest.mark.slow
+def test_generate_batch_text_equals_generate_alone(default_ss):
+    """On the real model, through the text API: stop strings and EOS end requests at different steps, seeded
+    sampling per request; each result (text, tokens, finish reason) equals that prompt's own generate()."""
+    ss = default_ss
+    prompts = ["Why is the sky blue?", [{"role": "user", "content": "List three prime numbers."}],
+               "Write a haiku about rain.", "The capital of France is"]
+    configs = [GenerateConfig(max_new_tokens=28, stop=["."]), GenerateConfig(max_new_tokens=28, stop=["5", "\n\n"]),
+               GenerateConfig(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7),
+               GenerateConfig(max_new_tokens=12, temperature=1.0, seed=3, stop=[" and"])]
+    for method in ("selfspec", "plain"):
+        batched = ss.generate_batch(prompts, configs, method=method)
+        alone = [ss.generate(p, c, method=method) for p, c in zip(prompts, configs)]
+        for b, a in zip(batched, alone):
+            assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason), method
+        assert len({len(b.token_ids) for b in batched}) > 1  # they ended at different steps
+    with pytest.raises(InvalidConfigError, match="2 prompts but 3"):
+        ss.generate_batch(prompts[:2], configs[:3])

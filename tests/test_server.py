@@ -156,6 +156,27 @@ def test_worker_cancels_a_running_job_between_blocks():
     asyncio.run(scenario())
 
 
+def test_worker_batches_continuously():
+    """Up to max_batch jobs step together; a job submitted while others run joins at the next free slot;
+    a cancelled job leaves the batch and the others go on."""
+    async def scenario():
+        eng = FakeEngine(blocks=4, delay=0.02)
+        w = Worker(eng, batch=BatchConfig(max_batch=2))
+        a, b = w.submit(Job([1], GenerateConfig())), w.submit(Job([2], GenerateConfig()))
+        assert (await a.next()).text == "1.0 " and (await b.next()).text == "2.0 "
+        c = w.submit(Job([3], GenerateConfig()))  # waits: both slots are taken
+        assert w.depth() == (1, 2)
+        b.cancel()  # b leaves; c takes its slot
+        outs = [await asyncio.wait_for(drain(j), 5) for j in (a, c)]
+        w.stop()
+        assert "".join(e.text for e in outs[0]) == "1.1 1.2 1.3 " and a.result is not None
+        assert "".join(e.text for e in outs[1]) == "3.0 3.1 3.2 3.3 " and c.result is not None
+        assert b.result is None and eng.calls == [1, 2, 3] and 2 in eng.closed
+        assert max(eng.step_sizes) == 2 and eng.step_sizes.count(2) >= 3  # a with b, then a with c
+
+    asyncio.run(scenario())
+
+
 def test_worker_queue_limit_and_shutdown():
     async def scenario():
         eng = FakeEngine(blocks=3)
@@ -438,18 +459,24 @@ def test_disconnecting_clients_free_the_engine(server, ss):
 
 @pytest.mark.slow
 def test_concurrent_clients_each_get_their_own_answer(server, ss):
-    prompts = ["The capital of Italy is", "Two plus two equals", "My favourite animal is"]
-    refs = [ss.generate(p, max_new_tokens=8, temperature=0.0).text for p in prompts]
+    """They decode in one batch (continuous batching), each with its own settings: greedy, seeded sampling,
+    stop strings; every answer equals what the same request gets alone."""
+    prompts = ["The capital of Italy is", "Two plus two equals", "My favourite animal is", "Rain falls because"]
+    settings = [dict(temperature=0), dict(temperature=0, stop=[" is", "."]), dict(temperature=0.9, seed=11),
+                dict(temperature=0.7, top_p=0.9, seed=5, stop=["\n"])]
+    refs = [ss.generate(p, max_new_tokens=12, **kw).text for p, kw in zip(prompts, settings)]
     got: dict[int, str] = {}
 
     def ask(i: int) -> None:
         c = server.client()
+        kw = {k: v for k, v in settings[i].items() if k != "seed"}
+        extra = {"seed": settings[i]["seed"]} if "seed" in settings[i] else {}
         if i % 2:
-            got[i] = stream_text(c.completions.create(model=model_of(ss), prompt=prompts[i], max_tokens=8,
-                                                      temperature=0, stream=True), chat=False)[0]
+            got[i] = stream_text(c.completions.create(model=model_of(ss), prompt=prompts[i], max_tokens=12,
+                                                      stream=True, extra_body=extra, **kw), chat=False)[0]
         else:
-            got[i] = c.completions.create(model=model_of(ss), prompt=prompts[i], max_tokens=8,
-                                          temperature=0).choices[0].text
+            got[i] = c.completions.create(model=model_of(ss), prompt=prompts[i], max_tokens=12, extra_body=extra,
+                                          **kw).choices[0].text
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
     for t in threads:

@@ -14,9 +14,10 @@ together with no padding and no realignment (EXSPEC's "pool of sequences that ca
 together" is every live sequence here). SpecEE requests (methods 'specee', 'specee-verified')
 have their own loop and step alone, one round per batch step.
 
-How much a sequence drafts depends on the batch (``BatchConfig``): a draft row is nearly free
-at batch 1, where one step reads all the weights for one token, and costs its full share at
-batch 8, where a step already carries 8 tokens. See docs/BATCHING.md for the measurements.
+How much a greedy sequence drafts depends on the batch (``BatchConfig``): a draft row is nearly
+free at batch 1, where one step reads all the weights for one token, and costs its full share at
+batch 8, where a step already carries 8 tokens. A sampled request drafts as it would alone, so its
+seed gives the same text at any load. See docs/BATCHING.md for the measurements.
 """
 
 from __future__ import annotations
@@ -145,9 +146,12 @@ class Scheduler:
             return []
         t0 = time.perf_counter()
         batch = [r for r in self.running if r.solo is None]
-        head_cap, lookup_cap = self.config.caps(len(self.running))
+        caps = self.config.caps(len(self.running))
+        # A sampled request drafts as it would alone: what it draws from its seeded generator depends on its
+        # drafts, so this keeps its text the same at any load. Greedy output never depends on the drafts.
         entries = [BatchEntry(r.seq, r.gen, r.stats, r.remaining, self._speculative(r),
-                              r.prompt_ids if id(r) in new else None, head_cap, lookup_cap) for r in batch]
+                              r.prompt_ids if id(r) in new else None, *(caps if r.gen.greedy else self.config.caps(1)))
+                   for r in batch]
         with torch.inference_mode():
             blocks = dict(zip(map(id, batch), self.engine.step_batch(entries))) if entries else {}
             for r in self.running:
