@@ -159,3 +159,31 @@ def test_generate_batch_text_equals_generate_alone(default_ss):
         assert len({len(b.token_ids) for b in batched}) > 1  # they ended at different steps
     with pytest.raises(InvalidConfigError, match="2 prompts but 3"):
         ss.generate_batch(prompts[:2], configs[:3])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padded_eqspec_realigns_and_stays_exact(arch):
+    """EQSPEC's padded layout: one cache for the batch, left padding, the same draft length for every row,
+    a realignment after every verification and finished rows dropped; every output equals greedy alone."""
+    from selfspec.batch.padded import PaddedBatch
+    from selfspec.heads.io import new_head
+    from selfspec.models.split import SplitModel
+
+    model = tiny_model(arch)
+    for backend in ("fast", "reference"):
+        split = SplitModel(model, backend)
+        pb = PaddedBatch(split, new_head("lm", split, LAYERS - 1), gamma=3)
+        prompts = [prompt_of(n, n + 5) for n in LENGTHS]
+        news = [NEW - 3 * j for j in range(len(prompts))]
+        with torch.inference_mode():
+            outs = pb.generate(prompts, news)
+        assert outs == [hf_greedy(model, p, n) for p, n in zip(prompts, news)], (arch, backend)
+        assert pb.stats.realign_time > 0 and pb.stats.steps > 0
+        if arch == "llama":
+            assert 1 < pb.stats.mean_accepted_length < 4  # ragged acceptance: rows were realigned
+    eos = hf_greedy(model, prompts[2], NEW)[2]
+    with torch.inference_mode():
+        outs = pb.generate(prompts, [NEW] * len(prompts), [eos])
+    assert outs == [hf_greedy(model, p, NEW, eos=[eos]) for p in prompts]
+    with pytest.raises(InvalidConfigError, match="stateless"):
+        PaddedBatch(split, new_head("deep", split, 2))
