@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_quick(sub)
     add_forward(sub)
     add_bench(sub)
+    from selfspec.bench.batching import add_parser as add_bench_batch
+
+    add_bench_batch(sub)
     from selfspec.train.answers import add_parser as add_answers
     from selfspec.train.cli import add_parsers as add_train
     from selfspec.train.deep import add_parser as add_train_deep

@@ -163,8 +163,12 @@ class Engine:
         realignment. -> the new tokens of each entry (a prefill's: its first token)."""
         split, drafter = self.split, self.drafter
         rides, blocks = [], []
-        for e in entries:
-            seq, block = e.seq, None
+        plan = {j: (min(drafter.policy_of(e.seq).max_drafts(self.gamma), e.remaining - 1, e.draft_cap),
+                    min(e.remaining - 1, e.lookup_cap))  # (head drafts, lookup drafts) at most; asked once a round
+                for j, e in enumerate(entries) if e.prompt is None and e.speculative}
+        chains = self._draft_chains(entries, plan)  # entry index -> its early-exit chain, drafted in lockstep
+        for j, e in enumerate(entries):
+            seq, block = e.seq, chains.get(j)
             if e.prompt is not None:  # a prefill; a speculative one keeps its exit states for the drafter
                 ids = torch.tensor([e.prompt], dtype=torch.long, device=split.device)
                 ride = Ride(0, split.embed(ids), seq.positions(0, len(e.prompt)), seq.cache,
@@ -172,17 +176,18 @@ class Engine:
             elif not e.speculative:
                 ride = self.ride_of(seq, None)
             else:
-                max_drafts = min(drafter.policy_of(seq).max_drafts(self.gamma), e.remaining - 1, e.draft_cap)
-                limit = min(e.remaining - 1, e.lookup_cap)
-                if self.drafts_tree(max_drafts):
+                max_drafts, limit = plan[j]
+                looked = [] if block is not None or self.drafts_tree(max_drafts) else drafter.lookup_drafts(seq, limit)
+                if block is None and self.drafts_tree(max_drafts):
                     block = self.propose_tree(seq, max_drafts, limit)
-                elif max_drafts > 0 or (limit > 0 and drafter.lookup_available(seq)):
-                    block = drafter.propose(seq, max_drafts, gen=e.gen, limit=limit)
                 if block is not None:
                     ride = self.ride_of(seq, block)
-                else:  # nothing drafted: the pending token rides from the embeddings, its exit state kept
-                    ride = self.ride_of(seq, None)
-                    ride.capture = drafter.next_depth(seq)
+                else:  # a lookup block or nothing: the rows ride from the embeddings, their exit states kept
+                    k = drafter.next_depth(seq)
+                    ids = torch.tensor([[seq.pending, *looked]], dtype=torch.long, device=split.device)
+                    ride = Ride(0, split.embed(ids), seq.positions(seq.length, len(looked) + 1), seq.cache, capture=k)
+                    if looked:
+                        block = DraftBlock(looked, None, None, start=seq.length, source="lookup", exit_layer=k)
             rides.append(ride)
             blocks.append(block)
         hs = split.run_rides(rides)
@@ -208,9 +213,25 @@ class Engine:
                 out.append(self.accept_tree(seq, e.gen, block, h, e.stats, lg))
             else:
                 if block is None:
-                    block = DraftBlock([], None, ride.captured, start=seq.length, exit_layer=ride.capture)
+                    block = DraftBlock([], None, None, start=seq.length, exit_layer=ride.capture)
+                if block.exit_states is None:
+                    block.exit_states = ride.captured
                 out.append(self.verify_block(seq, e.gen, block, h, e.stats, lg))
         return out
+
+    def _draft_chains(self, entries: list[BatchEntry], plan: dict[int, tuple[int, int]]) -> dict[int, DraftBlock]:
+        """The early-exit chains of a batched round (entries that draft from the head: no tree, no lookup match),
+        drafted together (``EarlyExitDrafter.propose_chains``). ``plan``: entry -> (head drafts, lookup drafts)."""
+        drafter, want = self.drafter, {}
+        for j, (max_drafts, limit) in plan.items():
+            e = entries[j]
+            if max_drafts > 0 and not self.drafts_tree(max_drafts) and not drafter.lookup_drafts(e.seq, limit):
+                want[j] = (max_drafts, drafter.next_depth(e.seq))
+        if not want:
+            return {}
+        blocks = drafter.propose_chains([entries[j].seq for j in want], [m for m, _ in want.values()],
+                                        [entries[j].gen for j in want], [k for _, k in want.values()])
+        return dict(zip(want, blocks))
 
     def drafts_tree(self, max_drafts: int) -> bool:
         """Whether a round of up to ``max_drafts`` drafts is a token tree (trees on, a draft wanted, a head that can)."""

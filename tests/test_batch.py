@@ -187,3 +187,20 @@ def test_padded_eqspec_realigns_and_stays_exact(arch):
     assert outs == [hf_greedy(model, p, NEW, eos=[eos]) for p in prompts]
     with pytest.raises(InvalidConfigError, match="stateless"):
         PaddedBatch(split, new_head("deep", split, 2))
+
+
+def test_adaptive_policies_batched_equal_alone():
+    """Thompson policies (the default's) keep per-request state and random draws: in a batch each request asks
+    its policy once per round, as alone, so seeded sampling gives the same tokens batched and alone. (The
+    cost-aware policy learns across requests by design, so its drafts depend on earlier requests, batched or
+    not; its greedy output never does.)"""
+    from selfspec.config import DraftConfig
+
+    ss = SelfSpec(tiny_model("llama"), None)
+    prompts = [prompt_of(n, n + 5) for n in LENGTHS]
+    for policy, gamma in (("thompson", None), ("confidence", 3)):
+        ss.set_draft(DraftConfig(exit_layer=LAYERS - 1, head="lm", gamma=gamma, tune="off", policy=policy, lookup=4))
+        gens = [GenerateConfig(max_new_tokens=14, temperature=0.8, seed=j, ignore_eos=True) for j in range(4)]
+        with torch.inference_mode():
+            batched = ss.engine.generate_batch(prompts, gens, method="selfspec", batch=DRAFTING)
+        assert batched == [ss.generate(p, g).token_ids for p, g in zip(prompts, gens)], policy

@@ -124,10 +124,16 @@ class EarlyExitDrafter:
             index = seq.extras["ngram"] = NgramIndex(seq.tokens, self.lookup_ngram)
         return index
 
+    def lookup_drafts(self, seq: SequenceState, limit: int) -> list[int]:
+        """The lookup drafts a round would propose (at most ``limit``); empty when lookup is off or the text's
+        last n-gram has no earlier occurrence. Runs no layers (a batch sends them in from the embeddings)."""
+        if self.lookup <= 0 or not seq.tokens:
+            return []
+        return list(self._ngram_index(seq).continuation(min(limit, self.lookup_policy.max_drafts(self.lookup))))
+
     def _lookup(self, seq: SequenceState, limit: int) -> DraftBlock | None:
         """A block of lookup drafts, or None when the last n-gram has no earlier occurrence."""
-        g = min(limit, self.lookup_policy.max_drafts(self.lookup))
-        drafts = self._ngram_index(seq).continuation(g)
+        drafts = self.lookup_drafts(seq, limit)
         if not drafts:
             return None
         split, p, k = self.split, seq.length, self.depth_of(seq)
@@ -140,41 +146,32 @@ class EarlyExitDrafter:
         return self.lookup > 0 and bool(seq.tokens) and bool(self._ngram_index(seq).continuation(1))
 
     def propose(self, seq: SequenceState, max_drafts: int, gen, limit: int | None = None) -> DraftBlock:
-        k, policy = self.next_depth(seq), self.policy_of(seq)
+        k = self.next_depth(seq)
         if self.lookup > 0 and seq.tokens:
             block = self._lookup(seq, max_drafts if limit is None else limit)
             if block is not None:
                 return block
+        return self.propose_chains([seq], [max_drafts], [gen], [k])[0]
+
+    def propose_chains(self, seqs: list[SequenceState], max_drafts: list[int], gens: list,
+                       depths: list[int] | None = None) -> list[DraftBlock]:
+        """Early-exit chains for several sequences drafted in lockstep: at each position the current token of
+        every sequence still drafting goes through layers [0, k) in one ragged pass (each over its own cache),
+        then each sequence's head and policy decide its next draft on their own. Each block equals that
+        sequence's own chain. ``depths``: exit depths already chosen this round (default: choose now)."""
+        chains = [_Chain(self, seq, m, gen, k) for seq, m, gen, k in
+                  zip(seqs, max_drafts, gens, depths or [self.next_depth(s) for s in seqs])]
         split = self.split
-        p, tok = seq.length, seq.pending
-        sampled = not gen.greedy and gen.draft_sampling == "sample"
-        want_conf = getattr(policy, "needs_confidence", False)
-        deep = self.head.needs_context
-        states, tokens, probs = [], [], []
-        f_hat = None
-        ids = torch.empty((1, 1), dtype=torch.long, device=split.device)
-        for i in range(max_drafts + 1):
-            ids[0, 0] = tok
-            states.append(split.run_layers(split.embed(ids), 0, k, seq.positions(p + i, 1), seq.cache))
-            if i == max_drafts:
-                break
-            if deep:
-                logits, f_hat = self._deep_logits(seq, states[-1], p + i, f_hat)
-            else:
-                logits = self._head_logits(seq, states[-1], p + i)
-            if sampled:
-                q = logits_to_probs(logits, gen.temperature, gen.top_k, gen.top_p)
-                conf = float(q.max()) if want_conf else 1.0
-            else:
-                q = None
-                conf = float(torch.softmax(logits, -1).max()) if want_conf else 1.0
-            if not policy.keep(i, conf):
-                break
-            tok = int(sample(q, seq.generator)) if sampled else int(greedy(logits))
-            tokens.append(tok)
-            if q is not None:
-                probs.append(q)
-        return DraftBlock(tokens, torch.stack(probs) if probs else None, torch.cat(states, dim=1), start=p, exit_layer=k)
+        while live := [c for c in chains if not c.done]:
+            for k in sorted({c.k for c in live}):
+                group = [c for c in live if c.k == k]
+                ids = torch.tensor([[c.tok for c in group]], dtype=torch.long, device=split.device)  # [1, n]
+                hs = split.run_layers_batch(list(split.embed(ids).split(1, dim=1)), 0, k,
+                                            [c.seq.positions(c.p + len(c.states), 1) for c in group],
+                                            [c.seq.cache for c in group])
+                for c, h in zip(group, hs):
+                    c.advance(h)
+        return [c.block() for c in chains]
 
     @property
     def supports_tree(self) -> bool:
@@ -250,3 +247,50 @@ class EarlyExitDrafter:
         new = self._project(block.exit_states[:, max(keep, p) - p : length - p], block.exit_layer or self.exit_layer)
         old = seq.head_backlog  # positions [keep, p) when the head did not run this round
         seq.head_backlog = new if old is None or old.shape[1] == 0 else torch.cat([old, new], dim=1)
+
+
+class _Chain:
+    """One sequence's early-exit chain while it is drafted (``EarlyExitDrafter.propose_chains``): the token
+    whose exit state comes next, the states, drafts and draft distributions so far."""
+
+    def __init__(self, drafter: EarlyExitDrafter, seq: SequenceState, max_drafts: int, gen, k: int) -> None:
+        self.d, self.seq, self.max_drafts, self.gen, self.k = drafter, seq, max_drafts, gen, k
+        self.p, self.tok = seq.length, seq.pending
+        self.policy = drafter.policy_of(seq)
+        self.sampled = not gen.greedy and gen.draft_sampling == "sample"
+        self.want_conf = getattr(self.policy, "needs_confidence", False)
+        self.states: list[torch.Tensor] = []
+        self.tokens: list[int] = []
+        self.probs: list[torch.Tensor] = []
+        self.f_hat: torch.Tensor | None = None
+        self.done = False
+
+    def advance(self, h: torch.Tensor) -> None:
+        """``h`` ``# [1, 1, hidden]``: the exit state of ``tok``; draft the next token or stop."""
+        d, seq, gen = self.d, self.seq, self.gen
+        i = len(self.states)
+        self.states.append(h)
+        if i == self.max_drafts:
+            self.done = True
+            return
+        if d.head.needs_context:
+            logits, self.f_hat = d._deep_logits(seq, h, self.p + i, self.f_hat)
+        else:
+            logits = d._head_logits(seq, h, self.p + i)
+        if self.sampled:
+            q = logits_to_probs(logits, gen.temperature, gen.top_k, gen.top_p)
+            conf = float(q.max()) if self.want_conf else 1.0
+        else:
+            q = None
+            conf = float(torch.softmax(logits, -1).max()) if self.want_conf else 1.0
+        if not self.policy.keep(i, conf):
+            self.done = True
+            return
+        self.tok = int(sample(q, seq.generator)) if self.sampled else int(greedy(logits))
+        self.tokens.append(self.tok)
+        if q is not None:
+            self.probs.append(q)
+
+    def block(self) -> DraftBlock:
+        return DraftBlock(self.tokens, torch.stack(self.probs) if self.probs else None, torch.cat(self.states, dim=1),
+                          start=self.p, exit_layer=self.k)
