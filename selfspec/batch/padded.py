@@ -75,13 +75,21 @@ class PaddedBatch:
         st = self.stats = PaddedStats()
         eos, dev = set(eos_token_ids or []), split.device
         t_start = time.perf_counter()
-        # ---- prefill: left-padded prompts through every layer
+        # ---- prefill: each prompt alone (a padded prefill would attend over the padding of the longest
+        # prompt), its KV entries placed right-aligned into its row of the batch cache
         P = max(len(p) for p in prompts)
         pad = torch.tensor([P - len(p) for p in prompts], device=dev)  # [B]
-        ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts], device=dev)  # [B, P]
         cache = split.new_cache(P + max(max_new_tokens) * 2 + self.gamma + 2, batch=len(prompts))
-        h = split.run_layers_padded(split.embed(ids), 0, L, self._positions(0, P, pad), cache, pad)
-        pending = split.logits(h[:, -1:])[:, -1].argmax(-1)  # [B]
+        last = []
+        for r, p in enumerate(prompts):
+            own = split.new_cache(len(p))
+            ids = torch.tensor([p], device=dev)
+            last.append(split.forward_all(ids, torch.arange(len(p), device=dev)[None], own)[:, -1:])
+            for buf, src in ((cache.keys, own.keys), (cache.values, own.values)):
+                for layer, s in zip(buf, src):
+                    layer[r, :, P - len(p) : P] = s[0, :, : len(p)]
+        cache.lengths = [P] * L
+        pending = split.logits(torch.cat(last))[:, -1].argmax(-1)  # [B]
         rows = list(range(len(prompts)))  # the live sequences, in row order
         outs: list[list[int]] = [[int(t)] for t in pending]
         st.prefill_time = time.perf_counter() - t_start

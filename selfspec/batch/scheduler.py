@@ -45,8 +45,9 @@ class BatchConfig:
         1, "Largest batch in which sequences draft from the exit head (above it they verify lookup matches "
         "only); at batch 1 a draft row is nearly free, in a batch of B it costs about 1/B of a step.")
     lookup_rows: int = opt(
-        16, "Lookup drafts a batched step may carry in all, shared by its sequences (each gets at most "
-        "lookup_rows // batch, and never more than DraftConfig.lookup); 0: no lookup in batches.")
+        0, "Lookup drafts a batched step may carry in all, shared by its sequences (each gets at most "
+        "lookup_rows // batch, and never more than DraftConfig.lookup); 0 (measured best here, "
+        "docs/BATCHING.md): no lookup in batches of 2 or more.")
 
     def caps(self, batch: int) -> tuple[int, int]:
         """(exit-head drafts, lookup drafts) a sequence may draft in a step of ``batch`` sequences."""
