@@ -260,3 +260,14 @@ def test_default_model_bundled_predictors(default_ss):
     assert len(lossy.token_ids) == 48 and min(lossy.stats.exit_layers) < ss.split.num_layers
     assert lossy.stats.predictor_checks > 0
     ss.set_draft(DraftConfig())
+
+
+def test_specee_requests_step_alone_inside_a_batch(tmp_path):
+    """In a batch (selfspec.batch), SpecEE requests run their own loop, one round per batch step, next to
+    plain and selfspec requests: each output equals the same request alone."""
+    ss = specee_ss("llama", tmp_path)
+    prompts = [PROMPT, PROMPT[:5], PROMPT[2:]]
+    gens = [ss.resolve(max_new_tokens=12, ignore_eos=True, method=m) for m in ("specee-verified", "specee", "plain")]
+    with torch.inference_mode():
+        batched = ss.engine.generate_batch(prompts, gens, method=None)
+    assert batched == [ss.generate(p, g).token_ids for p, g in zip(prompts, gens)]

@@ -115,7 +115,7 @@ class Metrics:
                [f'selfspec_generations_total{{outcome="{k}"}} {self.outcomes.get(k, 0)}'
                 for k in ("completed", "cancelled", "failed")])
         metric("selfspec_queue_waiting", "gauge", "Requests waiting for the engine.", [f"selfspec_queue_waiting {waiting}"])
-        metric("selfspec_queue_running", "gauge", "Requests being decoded (0 or 1).", [f"selfspec_queue_running {running}"])
+        metric("selfspec_queue_running", "gauge", "Requests in the decoding batch (at most --max-batch).", [f"selfspec_queue_running {running}"])
         metric("selfspec_queue_wait_seconds", "histogram", "Time from admission to the engine picking the job up.",
                self.queue_wait.lines("selfspec_queue_wait_seconds"))
         metric("selfspec_time_to_first_token_seconds", "histogram", "Time from admission to the first output block.",
@@ -126,7 +126,7 @@ class Metrics:
                [f"selfspec_completion_tokens_total {self.completion_tokens}"])
         metric("selfspec_generation_seconds_total", "counter", "Seconds the engine spent generating.",
                [f"selfspec_generation_seconds_total {self.generation_seconds:.6f}"])
-        metric("selfspec_tokens_per_second", "gauge", "Completion tokens per generating second, since start.",
+        metric("selfspec_tokens_per_second", "gauge", "Completion tokens per second of a request generating, pooled since start (batched requests overlap: for throughput use rate(selfspec_completion_tokens_total)).",
                [f"selfspec_tokens_per_second {self.tokens_per_second:.4f}"])
         metric("selfspec_verify_steps_total", "counter", "Target verification steps (completed jobs).",
                [f"selfspec_verify_steps_total {self.steps}"])
