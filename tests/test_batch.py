@@ -67,6 +67,16 @@ def test_batched_greedy_on_the_default_model(default_ss):
         outs = default_ss.engine.generate_batch(prompts, gens, eos)
         spec = default_ss.engine.generate_batch(prompts, gens, eos, method="selfspec")
     assert outs == [hf_greedy(default_ss.model, p, 24, eos=eos) for p in prompts] == spec
+    from selfspec.batch.scheduler import Scheduler
+
+    sched = Scheduler(default_ss.engine, BatchConfig(max_batch=2), eos)  # the third joins when a slot frees
+    gen = GenerateConfig(max_new_tokens=24, eos_token_ids=eos)
+    reqs = [sched.add(p, gen) for p in prompts[:2]]
+    for _ in range(3):
+        sched.step()
+    reqs.append(sched.add(prompts[2], gen))
+    sched.run()
+    assert [r.out for r in reqs] == outs
 
 
 def _spec_ss(arch: str, tree_width: int = 0, lookup: int = 4) -> SelfSpec:
@@ -113,13 +123,14 @@ def test_batched_speculative_sampling_and_eos_per_request():
         ss.engine.generate_batch(prompts, gens, method="specee")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("method", ["plain", "selfspec"])
-def test_requests_join_mid_batch_and_wait_for_a_free_slot(method):
+def test_requests_join_mid_batch_and_wait_for_a_free_slot(arch, method):
     """Continuous batching: requests added while others run join at the next step, requests beyond
     max_batch wait for a slot, a cancelled request leaves at once; every output still equals its own."""
     from selfspec.batch.scheduler import Scheduler
 
-    ss = _spec_ss("llama", tree_width=2 if method == "selfspec" else 0)
+    ss = _spec_ss(arch, tree_width=2 if method == "selfspec" else 0)
     prompts = [prompt_of(n, n + 5) for n in (3, 9, 1, 12, 6)]
     want = [hf_greedy(ss.model, p, NEW) for p in prompts]
     sched = Scheduler(ss.engine, BatchConfig(max_batch=3, draft_batch=3, lookup_rows=64))
