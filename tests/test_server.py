@@ -552,6 +552,23 @@ def test_bounded_load_test_against_a_real_server_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_ray_serve_two_replicas(tmp_path):
+    """`selfspec serve --replicas 2`: a local Ray Serve deployment of two engine replicas behind the same API;
+    the bounded load test (streaming, malformed bodies, wrong keys, disconnects) against it: every answer equal
+    to its reference, no 5xx, both replicas answering, a clean exit on SIGINT."""
+    pytest.importorskip("ray")
+    from selfspec.bench.loadtest import LoadTestConfig, run
+
+    r = run(LoadTestConfig(clients=4, requests_per_client=5, max_tokens=8, num_prompts=2, threads=1,
+                           serve_args="--replicas 2", out=str(tmp_path / "ray.json")))
+    assert r["requests"] == 20 and r["good_correct"] == r["good"] >= 10 and r["failures"] == [], r["failures"]
+    assert all(v["ok"] == v["n"] for v in r["by_kind"].values()), r["by_kind"]
+    assert r["server"]["http_5xx"] == 0
+    assert r["replica_pids"] == 2  # both replicas answered
+    assert r["server_exit_code"] == 0
+
+
+@pytest.mark.slow
 def test_specee_methods_per_request(client, ss):
     """A request may pick SpecEE (extra_body 'method'): specee-verified is the model's own greedy text, the
     lossy specee streams text too; an unknown method is a 400 naming the field."""

@@ -253,13 +253,29 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
                 with lock:
                     records.append(rec)
 
+        pids: set[int] = set()  # processes that answered /health during the run (replicas behind Ray Serve)
+        running = threading.Event()
+        running.set()
+
+        def watch() -> None:
+            while running.is_set():
+                try:
+                    pids.add(httpx.get(url + "/health", timeout=5).json().get("pid"))
+                except (httpx.HTTPError, ValueError):
+                    pass
+                time.sleep(0.2)
+
         t0 = time.perf_counter()
         threads = [threading.Thread(target=client, args=(c,)) for c in range(cfg.clients)]
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
+        running.clear()
+        watcher.join(10)
         time.sleep(0.5)  # let the last cancelled jobs finish
         rss_after = rss_mb(server_pid) if server_pid else None
         server_side = _server_metrics(url, cfg.api_key)
@@ -280,7 +296,7 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
         "completion_tokens": sum(r["tokens"] for r in good),
         "tokens_per_s": sum(r["tokens"] for r in good) / wall,
         "server": server_side, "rss_before_mb": rss_before, "rss_after_mb": rss_after,
-        "server_exit_code": exit_code,
+        "server_exit_code": exit_code, "replica_pids": len(pids - {None}),
         "server_log_errors": [ln for ln in log.splitlines() if "Traceback" in ln or "ERROR" in ln][:20],
     }
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
@@ -296,7 +312,8 @@ def format_summary(r: dict[str, Any]) -> str:
         f"good answers correct: {r['good_correct']}/{r['good']}; failures: {len(r['failures'])}",
         f"latency of good requests: p50 {r['latency_p50_s']:.2f} s, p95 {r['latency_p95_s']:.2f} s",
         f"tokens/s (good completions / wall): {r['tokens_per_s']:.2f}; server side: {r['server']}",
-        f"server RSS: {rss}; exit code {r['server_exit_code']}; logged errors: {len(r['server_log_errors'])}",
+        f"server RSS: {rss}; exit code {r['server_exit_code']}; logged errors: {len(r['server_log_errors'])}; "
+        f"processes answering /health: {r['replica_pids']}",
     ])
 
 

@@ -108,6 +108,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from selfspec.cli import config_from_args
 
     cfg = config_from_args(args, ServeConfig)
+    if cfg.replicas > 1 or cfg.ray_address:
+        from selfspec.server.ray_serve import serve_ray
+
+        serve_ray(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig), cfg,
+                  config_from_args(args, BatchConfig))
+        return 0
     ss = SelfSpec.load(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig))
     try:
         serve(ss, cfg, config_from_args(args, BatchConfig))

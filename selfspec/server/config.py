@@ -31,6 +31,11 @@ class ServeConfig:
         "'selfspec', 'plain', 'specee-verified', or 'specee' (LOSSY SpecEE, outputs may differ from the model's).",
         choices=["selfspec", "plain", "specee-verified", "specee"],
     )
+    replicas: int = opt(
+        1, "Engine replicas. 1: this process serves (uvicorn); more, or --ray-address: a Ray Serve deployment "
+        "of that many replicas behind the same API (pip install 'selfspec[ray]').")
+    ray_address: str | None = opt(
+        None, "Serve on an existing Ray cluster ('auto', or ray://HEAD:10001) instead of a local Ray instance.")
     log_level: str = opt("info", "uvicorn log level.", choices=["critical", "error", "warning", "info", "debug"])
 
     def to_dict(self) -> dict:

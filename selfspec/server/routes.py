@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -197,7 +198,8 @@ async def health(request: Request) -> JSONResponse:
     waiting, running = st.worker.depth()
     ok = st.worker.accepting and st.worker.alive
     status = "ok" if ok else ("shutting_down" if not st.worker.accepting else "worker_down")
-    return JSONResponse({"status": status, "model": st.model_name, "waiting": waiting, "running": running},
+    return JSONResponse({"status": status, "model": st.model_name, "waiting": waiting, "running": running,
+                         "pid": os.getpid()},  # which replica answered (several behind Ray Serve)
                         status_code=200 if ok else 503)
 
 
