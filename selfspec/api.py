@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from selfspec.batch.scheduler import BatchConfig, TextScheduler
-from selfspec.config import DraftConfig, GenerateConfig, ModelConfig
+from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, PipelineConfig
 from selfspec.costs import DraftCosts, measure_draft_costs
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import CostAwarePolicy, DepthBandit, ThompsonPolicy, make_policy
@@ -51,6 +51,7 @@ class SelfSpec:
         self.eos_token_ids = self._model_eos_ids()
         self.draft_config = DraftConfig()
         self.engine = Engine(self.split)
+        self.pipeline: Any = None  # a PipelineService (use_pipeline): schedulers send 'selfspec' requests through it
         self.set_draft(draft or DraftConfig())
 
     @classmethod
@@ -242,7 +243,20 @@ class SelfSpec:
     def scheduler(self, batch: BatchConfig | None = None) -> TextScheduler:
         """A continuous-batching session over this model (``selfspec.batch``): ``add`` requests (token ids and a
         GenerateConfig) at any time, ``step_events`` until none is ``busy``; the server runs one."""
-        return TextScheduler(self.engine, self.tokenizer, batch, self.eos_token_ids)
+        return TextScheduler(self.engine, self.tokenizer, batch, self.eos_token_ids, self.pipeline)
+
+    def use_pipeline(self, config: PipelineConfig | None = None, model_config: ModelConfig | None = None) -> Any:
+        """Decode 'selfspec' requests of ``scheduler`` sessions (the server) with the pipeline (PPSD or Mirror-SD,
+        selfspec.pipeline), one at a time; its deep stage loads ``model_config`` (default: a copy of this
+        model). ``None`` config: back to the sequential engine."""
+        from selfspec.pipeline.service import PipelineService
+
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+        if config is not None:
+            self.pipeline = PipelineService(self, config, model_config)
+        return self.pipeline
 
     def generate_batch(self, prompts: list[Prompt], config: GenerateConfig | list[GenerateConfig] | None = None,
                        batch: BatchConfig | None = None, **overrides: Any) -> list[GenerationResult]:

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     from selfspec.bench.batching import add_parser as add_bench_batch
 
     add_bench_batch(sub)
+    from selfspec.bench.pipeline import add_parser as add_bench_pipeline
+
+    add_bench_pipeline(sub)
     from selfspec.train.answers import add_parser as add_answers
     from selfspec.train.cli import add_parsers as add_train
     from selfspec.train.deep import add_parser as add_train_deep

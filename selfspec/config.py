@@ -167,6 +167,34 @@ class GenerateConfig:
         return asdict(self)
 
 
+@dataclass
+class PipelineConfig:
+    """Drafting and verifying at the same time (selfspec.pipeline, docs/PIPELINE.md)."""
+
+    mode: str = opt(
+        "ppsd",
+        "'ppsd': while the deep stage verifies a block, the shallow stage drafts the next one from its own guess "
+        "of the verdict. 'mirror' (Mirror-SD): the deep stage also sends its top-k from an intermediate layer "
+        "before finishing, and the shallow stage opens a draft branch for each candidate.",
+        choices=["ppsd", "mirror"],
+    )
+    transport: str = opt(
+        "process",
+        "'process': the deep stage in a second process over torch.distributed (gloo; two devices in general). "
+        "'thread': one device, both stages in this process as two threads.",
+        choices=["process", "thread"],
+    )
+    gamma: int = opt(3, "Most draft tokens per block.")
+    threads: int = opt(1, "torch intra-op threads of each stage.")
+    mirror_layer: int | None = opt(
+        None, "Mirror-SD: the layer whose early top-k the deep stage sends (None: two thirds into the deep stage).")
+    mirror_top_k: int = opt(2, "Mirror-SD: candidates per early signal; the draft opens a branch for each.")
+    timeout: float = opt(120.0, "Seconds a stage waits for the other before the request fails.")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def field_help(cls: type) -> dict[str, str]:
     """Field name -> documentation, for CLI builders and docs."""
     return {f.name: f.metadata.get("help", "") for f in fields(cls)}

@@ -36,3 +36,7 @@ class InvalidConfigError(SelfSpecError):
 
 class NoChatTemplateError(InvalidConfigError):
     """Chat messages were sent to a model whose tokenizer has no chat template (a base model)."""
+
+
+class PipelineError(SelfSpecError):
+    """A pipeline stage (selfspec.pipeline) failed or stopped answering; the server answers 503."""

@@ -70,7 +70,8 @@ class BatchRequest:
     stats: GenerationStats = field(default_factory=GenerationStats)
     seq: SequenceState | None = None
     out: list[int] = field(default_factory=list)  # new tokens so far (an ending EOS included)
-    solo: Iterator[list[int]] | None = None  # a SpecEE request's own loop
+    solo: Iterator[list[int]] | None = None  # a SpecEE or pipelined request's own loop
+    pipelined: bool = False  # decoded by the engine's pipeline (selfspec.pipeline.service), one at a time
     done: bool = False  # max_new_tokens reached, EOS emitted, or cancelled
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when it was admitted (prefilled)
@@ -84,8 +85,10 @@ class BatchRequest:
 class Scheduler:
     """The pool of live requests of one engine; only one thread may call it."""
 
-    def __init__(self, engine: Engine, config: BatchConfig | None = None, eos_token_ids: list[int] | None = None) -> None:
+    def __init__(self, engine: Engine, config: BatchConfig | None = None, eos_token_ids: list[int] | None = None,
+                 pipeline: Any = None) -> None:
         self.engine, self.config = engine, config or BatchConfig()
+        self.pipeline = pipeline  # a PipelineService: 'selfspec' requests go through it, one at a time
         if self.config.max_batch < 1:
             raise InvalidConfigError(f"max_batch must be >= 1, got {self.config.max_batch}")
         self.eos = frozenset(eos_token_ids or [])
@@ -124,11 +127,17 @@ class Scheduler:
     def _admit(self) -> list[BatchRequest]:
         new = []
         while self.waiting and len(self.running) < self.config.max_batch:
-            req = self.waiting.pop(0)
+            req = self.waiting[0]
+            if self.pipeline is not None and req.gen.method == "selfspec":
+                if any(r.pipelined for r in self.running):  # the pipeline is busy: wait (FIFO)
+                    break
+                req.pipelined = True
+                req.solo = self.pipeline.tokens(req.prompt_ids, req.gen, req.stats)
+            self.waiting.pop(0)
             req.started = time.perf_counter()
             if req.gen.method in SPECEE_METHODS:
                 req.solo = self.engine.generate_tokens(req.prompt_ids, req.gen, req.stats)
-            else:
+            elif not req.pipelined:
                 req.seq = self.engine.new_sequence(len(req.prompt_ids), req.gen)
                 if self._speculative(req):
                     self.engine.drafter.begin(req.seq, req.gen.seed)
@@ -191,8 +200,8 @@ class TextScheduler(Scheduler):
     a request's last event carries its ``GenerationResult``."""
 
     def __init__(self, engine: Engine, tokenizer: Any, config: BatchConfig | None = None,
-                 eos_token_ids: list[int] | None = None) -> None:
-        super().__init__(engine, config, eos_token_ids)
+                 eos_token_ids: list[int] | None = None, pipeline: Any = None) -> None:
+        super().__init__(engine, config, eos_token_ids, pipeline)
         self.tokenizer = tokenizer
 
     def add(self, prompt_ids: list[int], gen: GenerateConfig, tag: Any = None) -> BatchRequest:

@@ -27,6 +27,9 @@ class DraftBlock:
     exit_layer: int | None = None  # depth the exit states come from (verification starts there); None: the drafter's
     tree: Any = None  # a TokenTree (selfspec.drafting.tree): tokens are its nodes 1.., exit_states all nodes
     levels: int = 0  # a tree's depth in levels (what its policy learns from); 0 for chains
+    # A deep-context head's predicted final states of the drafted rows' positions, f^(p + i) for the rows
+    # whose head ran ``# [1, n, hidden]`` (the pipeline drafts ahead from them before the true ones exist).
+    predicted_finals: torch.Tensor | None = None
 
 
 class Drafter(Protocol):

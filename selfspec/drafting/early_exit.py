@@ -227,13 +227,15 @@ class EarlyExitDrafter:
                           exit_layer=k)
 
     def accepted(self, seq: SequenceState, block: DraftBlock, num_accepted: int,
-                 final_states: torch.Tensor | None = None, proposed: int | None = None) -> None:
+                 final_states: torch.Tensor | None = None, proposed: int | None = None, observe: bool = True) -> None:
         """``seq`` now holds ``seq.length`` final tokens; bring the head's state in line with it.
         ``final_states`` ``# [1, g + 1, hidden]``: the verification's last-layer states of the block.
         ``proposed``: the draft length the policy learns from (default: the block's tokens; a tree's
-        accepted path passes the depth the tree was drafted to)."""
+        accepted path passes the depth the tree was drafted to). ``observe=False``: a verdict the pipeline
+        only supposes, to draft ahead (the policies learn nothing from it)."""
         policy = self.lookup_policy if block.source == "lookup" else self.policy_of(seq)
-        policy.observe(len(block.tokens) if proposed is None else proposed, num_accepted)
+        if observe:
+            policy.observe(len(block.tokens) if proposed is None else proposed, num_accepted)
         if self.head.needs_context:
             self._store_finals(seq, block.start, final_states[0, : num_accepted + 1])
         if not self.head.stateful:
@@ -263,6 +265,7 @@ class _Chain:
         self.tokens: list[int] = []
         self.probs: list[torch.Tensor] = []
         self.f_hat: torch.Tensor | None = None
+        self.f_hats: list[torch.Tensor] = []
         self.done = False
 
     def advance(self, h: torch.Tensor) -> None:
@@ -275,6 +278,7 @@ class _Chain:
             return
         if d.head.needs_context:
             logits, self.f_hat = d._deep_logits(seq, h, self.p + i, self.f_hat)
+            self.f_hats.append(self.f_hat)
         else:
             logits = d._head_logits(seq, h, self.p + i)
         if self.sampled:
@@ -293,4 +297,5 @@ class _Chain:
 
     def block(self) -> DraftBlock:
         return DraftBlock(self.tokens, torch.stack(self.probs) if self.probs else None, torch.cat(self.states, dim=1),
-                          start=self.p, exit_layer=self.k)
+                          start=self.p, exit_layer=self.k,
+                          predicted_finals=torch.cat(self.f_hats, dim=1) if self.f_hats else None)

@@ -168,9 +168,12 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "y = x @ W^T (+ bias) (+= into out) with a packed weight, 1 <= M <= 16");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
-  m.def("rope_qkv", &rope_qkv, "rotary on q and k of a fused qkv; k, v written into the cache; returns q");
-  m.def("attention", &attention, "causal grouped-query attention of new queries over the cache");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  // Every op releases the GIL while it runs, so two Python threads (the one-device pipeline,
+  // selfspec.pipeline) run their layers at the same time.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("linear", &linear, "y = x @ W^T (+ bias) (+= into out) with a packed weight, 1 <= M <= 16", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim", nogil);
+  m.def("rope_qkv", &rope_qkv, "rotary on q and k of a fused qkv; k, v written into the cache; returns q", nogil);
+  m.def("attention", &attention, "causal grouped-query attention of new queries over the cache", nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
 }

@@ -87,6 +87,21 @@ class KVCache:
                     t[:, :, start : start + n] = t[:, :, src]
         self.lengths = [start + n] * len(self.lengths)
 
+    def save(self, start: int, end: int, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the entries [start, end) of layers [0, layers): a draft branch kept aside while another
+        branch overwrites the same positions (selfspec.pipeline)."""
+        return [(self.keys[i][:, :, start:end].clone(), self.values[i][:, :, start:end].clone()) for i in range(layers)]
+
+    def restore(self, start: int, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put ``save``'s entries back at ``start``; those layers' lengths become start + their count."""
+        for i, (k, v) in enumerate(saved):
+            end = start + k.shape[2]
+            if end > self.keys[i].shape[2]:
+                self._grow(i, end)
+            self.keys[i][:, :, start:end] = k
+            self.values[i][:, :, start:end] = v
+            self.lengths[i] = end
+
     def truncate(self, length: int) -> None:
         """Roll every layer back to at most ``length`` tokens (the accepted length)."""
         self.lengths = [min(n, length) for n in self.lengths]

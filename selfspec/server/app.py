@@ -114,11 +114,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve_ray(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig), cfg,
                   config_from_args(args, BatchConfig))
         return 0
-    ss = SelfSpec.load(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig))
+    model_cfg = config_from_args(args, ModelConfig)
+    ss = SelfSpec.load(model_cfg, config_from_args(args, DraftConfig))
+    if cfg.pipeline:
+        from selfspec.config import PipelineConfig
+
+        ss.use_pipeline(PipelineConfig(mode=cfg.pipeline, transport=cfg.pipeline_transport), model_cfg)
     try:
         serve(ss, cfg, config_from_args(args, BatchConfig))
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once the graceful shutdown is done
         pass
+    finally:
+        ss.use_pipeline(None)
     return 0
 
 

@@ -31,6 +31,13 @@ class ServeConfig:
         "'selfspec', 'plain', 'specee-verified', or 'specee' (LOSSY SpecEE, outputs may differ from the model's).",
         choices=["selfspec", "plain", "specee-verified", "specee"],
     )
+    pipeline: str | None = opt(
+        None, "Decode 'selfspec' requests with the pipeline, one at a time (docs/PIPELINE.md): 'ppsd' or 'mirror' "
+        "(Mirror-SD). Its deep stage runs in a second process; if it dies, that request fails with 503 and the next "
+        "one starts a new pipeline.", choices=["ppsd", "mirror"])
+    pipeline_transport: str = opt(
+        "process", "Where the pipeline's deep stage runs: 'process' (torch.distributed) or 'thread' (one device).",
+        choices=["process", "thread"])
     replicas: int = opt(
         1, "Engine replicas. 1: this process serves (uvicorn); more, or --ray-address: a Ray Serve deployment "
         "of that many replicas behind the same API (pip install 'selfspec[ray]').")

@@ -11,7 +11,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from selfspec.errors import ContextOverflowError, EmptyPromptError, NoChatTemplateError, SelfSpecError
+from selfspec.errors import (
+    ContextOverflowError,
+    EmptyPromptError,
+    NoChatTemplateError,
+    PipelineError,
+    SelfSpecError,
+)
 
 log = logging.getLogger("selfspec.server")
 
@@ -47,7 +53,10 @@ class ShuttingDownError(APIError):
 
 
 def from_selfspec_error(e: SelfSpecError, prompt_param: str) -> APIError:
-    """Engine / API input errors (bad prompt, bad settings, too long) -> 400."""
+    """Engine / API input errors (bad prompt, bad settings, too long) -> 400; a pipeline stage that failed
+    -> 503 (the server restarts the pipeline for the next request)."""
+    if isinstance(e, PipelineError):
+        return APIError(503, str(e), "server_error", code="pipeline_stage_failed")
     if isinstance(e, ContextOverflowError):
         return APIError(400, str(e), param=prompt_param, code="context_length_exceeded")
     if isinstance(e, EmptyPromptError):
