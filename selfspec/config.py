@@ -186,6 +186,8 @@ class PipelineConfig:
     )
     gamma: int = opt(3, "Most draft tokens per block.")
     threads: int = opt(1, "torch intra-op threads of each stage.")
+    deep_threads: int | None = opt(
+        None, "Threads of the deep stage's process if it should differ from `threads` (process transport only).")
     mirror_layer: int | None = opt(
         None, "Mirror-SD: the layer whose early top-k the deep stage sends (None: two thirds into the deep stage).")
     mirror_top_k: int = opt(2, "Mirror-SD: candidates per early signal; the draft opens a branch for each.")

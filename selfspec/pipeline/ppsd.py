@@ -186,7 +186,8 @@ class Pipeline:
         port = _free_port()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: both stages on this machine
         self.worker = mp.get_context("spawn").Process(
-            target=_deep_process, args=(source, self.k, port, cfg.threads, split.backend, cfg.timeout), daemon=True)
+            target=_deep_process, args=(source, self.k, port, cfg.deep_threads or cfg.threads, split.backend, cfg.timeout),
+            daemon=True)
         self.worker.start()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
                                 timeout=timedelta(seconds=cfg.timeout))
