@@ -206,7 +206,8 @@ def test_cost_model():
 
 @pytest.mark.slow
 def test_the_server_serves_through_the_pipeline_and_survives_a_dead_stage(default_ss):
-    """The real model behind the OpenAI API with Mirror-SD over two processes: answers equal the engine's;
+    """The real model with Mirror-SD over two processes: greedy equals transformers'; behind the OpenAI API
+    its answers equal the engine's;
     a deep stage killed mid-request fails that request with 503, the server stays up, the next request
     starts a new pipeline and is right again."""
     import threading
@@ -221,6 +222,9 @@ def test_the_server_serves_through_the_pipeline_and_survives_a_dead_stage(defaul
     prompt = "Name three colours of the rainbow."
     ref = ss.generate(prompt, max_new_tokens=24).text
     service = ss.use_pipeline(PipelineConfig(mode="mirror"), ModelConfig())
+    ids = ss.encode(prompt)
+    out, st = service.start().generate(ids, max_new_tokens=40, ignore_eos=True)
+    assert out == hf_greedy(ss.model, ids, 40) and st.branches > 0  # the real model, token for token
     srv = ThreadedServer(create_app(ss, api_key=KEY))
     try:
         client = srv.client()

@@ -9,7 +9,7 @@ method in turn, the order rotating question by question, after an untimed warm-u
     selfspec       the sequential engine with the default draft (what ``generate`` does), same threads
     ppsd           the pipeline over two processes (torch.distributed, gloo), one thread each
     mirror         Mirror-SD over the same two processes
-    ppsd-1dev      the one-device variant: both stages as two threads of this process, one thread each
+    ppsd-1dev      the one-device variant: both stages as two threads of this process, sharing its threads
     mirror-1dev    Mirror-SD on one device
 
 All pipelines draft with the default draft's head (the bundled deep-context head) at ``gamma`` drafts
@@ -68,12 +68,13 @@ class Runner:
         from selfspec.pipeline import Pipeline
 
         self.ss, self.cfg, self.threads = ss, cfg, threads
-        base = PipelineConfig(gamma=cfg.gamma, mirror_top_k=cfg.mirror_top_k, threads=1)
+        base = PipelineConfig(gamma=cfg.gamma, mirror_top_k=cfg.mirror_top_k)
         self.pipes: dict[str, Any] = {}
         if {"ppsd", "mirror"} & set(cfg.methods):
             self.pipes["process"] = Pipeline.of(ss, base, model_cfg)
         if {"ppsd-1dev", "mirror-1dev"} & set(cfg.methods):
-            self.pipes["thread"] = Pipeline.of(ss, PipelineConfig(**{**base.to_dict(), "transport": "thread"}))
+            self.pipes["thread"] = Pipeline.of(ss, PipelineConfig(**{**base.to_dict(), "transport": "thread",
+                                                                     "threads": threads}))
 
     def run(self, method: str, prompt: list[int], n: int) -> tuple[list[int], float, dict]:
         gen = GenerateConfig(max_new_tokens=n, method="plain" if method == "plain" else "selfspec")
@@ -85,7 +86,7 @@ class Runner:
             return res.token_ids, wall, {"accept_lengths": res.stats.accept_lengths}
         pipe = self.pipes["thread" if method.endswith("1dev") else "process"]
         pipe.set_mode(method.split("-")[0])
-        torch.set_num_threads(1)
+        torch.set_num_threads(self.threads if method.endswith("1dev") else 1)  # one device: both stages share them
         t0 = time.perf_counter()
         out, st = pipe.generate(prompt, gen)
         wall = time.perf_counter() - t0
@@ -97,7 +98,7 @@ class Runner:
             p.close()
 
 
-def predictions(ss: Any, cfg: PipelineBenchConfig, acceptance: float, threads: int) -> dict:
+def predictions(ss: Any, cfg: PipelineBenchConfig, acceptance: float, threads: int, p_ahead: float) -> dict:
     """The cost model for the default head at ``acceptance``: stage costs measured with one thread (two
     processes on this machine) and with ``threads`` (each stage on a device of its own)."""
     from selfspec.costs import measure_draft_costs
@@ -107,7 +108,8 @@ def predictions(ss: Any, cfg: PipelineBenchConfig, acceptance: float, threads: i
     for label, n in (("one_thread_per_stage", 1), ("two_devices", threads)):
         torch.set_num_threads(n)
         costs = measure_draft_costs(ss.split, ss.head)
-        out[label] = {"threads": n, "costs": asdict(costs), **predict(costs, acceptance, cfg.gamma).to_dict()}
+        out[label] = {"threads": n, "costs": asdict(costs), **predict(costs, acceptance, cfg.gamma).to_dict(),
+                      "with_measured_p_ahead": predict(costs, acceptance, cfg.gamma, p_ahead).to_dict()}
     torch.set_num_threads(threads)
     return out
 
@@ -162,12 +164,11 @@ def run(cfg: PipelineBenchConfig, model_cfg: ModelConfig | None = None) -> dict:
                        branches_per_round=sum(e["branches"] for e in a["extra"]) / rounds,
                        wait_share=sum(e["wait"] for e in a["extra"]) / a["wall"])
         rows.append(row)
-    acceptance = next((r["acceptance"] for r in rows if r["method"] == "ppsd"), None)
-    if acceptance is None:
-        acceptance = next((r["acceptance"] for r in rows if "acceptance" in r), 0.3)
+    piped = [r for r in rows if "acceptance" in r]
+    ref = next((r for r in piped if r["method"] == "ppsd"), piped[0] if piped else {"acceptance": 0.3, "ahead_used": 0.0})
     result = {"config": cfg.to_dict(), "model_config": asdict(model_cfg), "machine": machine_info(),
               "model": ss.model_id, "draft": asdict(ss.draft_config), "rows": rows,
-              "cost_model": predictions(ss, cfg, acceptance, threads), "per_question": {m: a["per_q"] for m, a in acc.items()}}
+              "cost_model": predictions(ss, cfg, ref["acceptance"], threads, ref["ahead_used"]), "per_question": {m: a["per_q"] for m, a in acc.items()}}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pipeline.json").write_text(json.dumps(result, indent=2, default=str))
@@ -194,12 +195,13 @@ def format_table(result: dict) -> str:
         out.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f}x | {spread} | {r['mal']:.2f} | "
                    f"{acc} | {ready} | {wait} | {r['identical']}/{r['questions']} |")
     out += ["", "Cost model (selfspec.pipeline.costs) at the measured acceptance:", "",
-            "| stage costs measured with | acceptance | sequential vs plain | pipelined vs plain | P(block ahead right) |",
-            "|---|---|---|---|---|"]
+            "| stage costs measured with | acceptance | sequential vs plain | pipelined vs plain, P = a^(g+1) | "
+            "pipelined vs plain, P measured |", "|---|---|---|---|---|"]
     for label, p in result["cost_model"].items():
+        m = p["with_measured_p_ahead"]
         out.append(f"| {label.replace('_', ' ')} ({p['threads']} thread{'s' if p['threads'] > 1 else ''}) | "
-                   f"{p['acceptance']:.2f} | {p['speedup_sequential']:.2f}x | {p['speedup_pipelined']:.2f}x | "
-                   f"{p['p_ahead']:.2f} |")
+                   f"{p['acceptance']:.2f} | {p['speedup_sequential']:.2f}x | {p['speedup_pipelined']:.2f}x "
+                   f"(P {p['p_ahead']:.2f}) | {m['speedup_pipelined']:.2f}x (P {m['p_ahead']:.2f}) |")
     return "\n".join(out) + "\n"
 
 

@@ -43,14 +43,16 @@ class PipelinePrediction:
         return asdict(self)
 
 
-def predict(costs: DraftCosts, acceptance: float, gamma: int) -> PipelinePrediction:
-    """The two-stage pipeline's expected speed on two devices (see the module text)."""
+def predict(costs: DraftCosts, acceptance: float, gamma: int, p_ahead: float | None = None) -> PipelinePrediction:
+    """The two-stage pipeline's expected speed on two devices (see the module text). ``p_ahead``: the
+    measured share of rounds whose block drafted ahead was right, in place of a^(g + 1) (a confidence
+    stop ends blocks where acceptance is likely, so the i.i.d. guess underestimates it)."""
     a, g = acceptance, gamma
     e = (1 - a ** (g + 1)) / (1 - a) if a < 1 else float(g + 1)
     t_s = (g + 1) * costs.t_shallow + g * costs.t_head
     t_d = costs.deep(g + 1)
     t_s_ahead = t_s + costs.t_head
-    p = a ** (g + 1)
+    p = a ** (g + 1) if p_ahead is None else p_ahead
     t_seq = t_s + t_d
     t_pipe = max(t_s_ahead, t_d) + (1 - p) * t_s_ahead
     return PipelinePrediction(g, a, e, t_seq, t_pipe, p, e * costs.t_plain / t_seq, e * costs.t_plain / t_pipe)

@@ -171,7 +171,8 @@ class Pipeline:
         self.stats = PipelineStats()
         self.closed = False
         self._stash: Message | None = None
-        torch.set_num_threads(cfg.threads)
+        threads = cfg.threads or (torch.get_num_threads() if cfg.transport == "thread" else 1)
+        torch.set_num_threads(threads)
         if cfg.transport == "thread":
             self.channel, deep_end = ThreadChannel.pair(cfg.timeout)
             self.worker = threading.Thread(target=DeepStage(split, self.k).serve, args=(deep_end, False), daemon=True,
@@ -186,7 +187,7 @@ class Pipeline:
         port = _free_port()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: both stages on this machine
         self.worker = mp.get_context("spawn").Process(
-            target=_deep_process, args=(source, self.k, port, cfg.deep_threads or cfg.threads, split.backend, cfg.timeout),
+            target=_deep_process, args=(source, self.k, port, cfg.deep_threads or threads, split.backend, cfg.timeout),
             daemon=True)
         self.worker.start()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
