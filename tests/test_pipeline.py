@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from conftest import ARCHS, LAYERS, VOCAB, hf_greedy, tiny_model
+from test_bench import tiny_ss  # noqa: F401 (a fixture: a tiny model with the default tokenizer)
 from test_deep_head import deep_ss
 from test_engine_equality import prompt_of
 
@@ -161,6 +162,19 @@ def test_a_dead_deep_process_is_a_clear_error_not_a_hang():
         assert again.generate(prompt_of(3, 8), max_new_tokens=5)[0] == hf_greedy(ss.model, prompt_of(3, 8), 5)
 
 
+def test_a_deep_process_that_cannot_start_is_a_clear_error():
+    from selfspec.config import ModelConfig
+    from selfspec.pipeline import ModelSource
+
+    ss = exit_ss("llama")
+    t0 = time.monotonic()
+    with pytest.raises(PipelineError, match="exited while starting"):
+        Pipeline(ss.split, ss.engine.drafter, PipelineConfig(timeout=60), ModelSource(ModelConfig(model="/no/such/model")))
+    assert time.monotonic() - t0 < 45  # not the group's timeout
+    with Pipeline.of(ss, PipelineConfig(gamma=2)) as pipe:  # the next one starts
+        assert pipe.generate([3, 4], max_new_tokens=3)[0] == hf_greedy(ss.model, [3, 4], 3)
+
+
 def test_a_deep_thread_that_raises_is_a_clear_error(monkeypatch):
     from selfspec.pipeline import deep
 
@@ -257,3 +271,26 @@ def test_the_server_serves_through_the_pipeline_and_survives_a_dead_stage(defaul
     finally:
         srv.stop()
         ss.use_pipeline(None)
+
+
+def test_bench_pipeline_writes_rows_for_every_method(tiny_ss, tmp_path):  # noqa: F811 (the fixture)
+    """``selfspec bench-pipeline`` on a tiny model: a row per method, every output equal to plain, the cost
+    model beside them, the results files."""
+    import json
+
+    from test_bench import QUESTIONS, write_questions
+
+    from selfspec.bench.pipeline import METHODS, PipelineBenchConfig, run
+
+    ss = tiny_ss
+    q = write_questions(tmp_path / "q.jsonl", QUESTIONS)
+    result = run(PipelineBenchConfig(questions=q, per_group=1, max_new_tokens=6, out=str(tmp_path / "out")), ss=ss)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == set(METHODS)
+    assert all(r["identical"] == r["questions"] == 3 for r in rows.values())
+    assert rows["mirror"]["branches_per_round"] > 0 and "ahead_used" in rows["ppsd-1dev"]
+    assert set(result["cost_model"]) == {"one_thread_per_stage", "two_devices"}
+    saved = json.loads((tmp_path / "out" / "pipeline.json").read_text())
+    assert saved["config"]["per_group"] == 1 and (tmp_path / "out" / "pipeline.md").read_text().startswith("| method")
+    with pytest.raises(InvalidConfigError, match="methods"):
+        run(PipelineBenchConfig(questions=q, methods=["ppsd"]), ss=ss)

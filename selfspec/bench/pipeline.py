@@ -64,7 +64,7 @@ class PipelineBenchConfig:
 
 
 class Runner:
-    def __init__(self, ss: Any, cfg: PipelineBenchConfig, model_cfg: ModelConfig, threads: int) -> None:
+    def __init__(self, ss: Any, cfg: PipelineBenchConfig, model_cfg: ModelConfig | None, threads: int) -> None:
         from selfspec.pipeline import Pipeline
 
         self.ss, self.cfg, self.threads = ss, cfg, threads
@@ -114,14 +114,17 @@ def predictions(ss: Any, cfg: PipelineBenchConfig, acceptance: float, threads: i
     return out
 
 
-def run(cfg: PipelineBenchConfig, model_cfg: ModelConfig | None = None) -> dict:
+def run(cfg: PipelineBenchConfig, model_cfg: ModelConfig | None = None, ss: Any = None) -> dict:
+    """The benchmark over ``model_cfg`` (the deep process loads it too), or over a loaded ``ss`` (the deep
+    process gets a copy of its weights; tests)."""
     from selfspec.api import SelfSpec
 
     bad = sorted(set(cfg.methods) - set(METHODS))
     if bad or not cfg.methods or "plain" not in cfg.methods:
         raise InvalidConfigError(f"methods must include plain and be among {', '.join(METHODS)} (got {cfg.methods})")
-    model_cfg = model_cfg or ModelConfig()
-    ss = SelfSpec.load(model_cfg)
+    if ss is None:
+        model_cfg = model_cfg or ModelConfig()
+        ss = SelfSpec.load(model_cfg)
     threads = torch.get_num_threads()  # ModelConfig.threads, else torch's default
     qs = select_questions(load_questions(cfg.questions), [], cfg.per_group)
     prompts = [(q, turn_prompt(ss, q, [], 0)) for q in qs]
@@ -166,7 +169,7 @@ def run(cfg: PipelineBenchConfig, model_cfg: ModelConfig | None = None) -> dict:
         rows.append(row)
     piped = [r for r in rows if "acceptance" in r]
     ref = next((r for r in piped if r["method"] == "ppsd"), piped[0] if piped else {"acceptance": 0.3, "ahead_used": 0.0})
-    result = {"config": cfg.to_dict(), "model_config": asdict(model_cfg), "machine": machine_info(),
+    result = {"config": cfg.to_dict(), "model_config": asdict(model_cfg) if model_cfg else None, "machine": machine_info(),
               "model": ss.model_id, "draft": asdict(ss.draft_config), "rows": rows,
               "cost_model": predictions(ss, cfg, ref["acceptance"], threads, ref["ahead_used"]), "per_question": {m: a["per_q"] for m, a in acc.items()}}
     out = Path(cfg.out)

@@ -144,10 +144,12 @@ def _deep_process(source: ModelSource, exit_layer: int, port: int, threads: int,
     from selfspec.models.split import SplitModel
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2,
-                            timeout=timedelta(seconds=timeout))
+    split = SplitModel(source.load(), backend)  # first: a model that does not load ends the start at once
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=timeout))
+    store.set("ready", "1")
+    dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=timedelta(seconds=timeout))
     try:
-        DeepStage(SplitModel(source.load(), backend), exit_layer).serve(ProcessChannel(1))
+        DeepStage(split, exit_layer).serve(ProcessChannel(1))
     finally:
         dist.destroy_process_group()
 
@@ -190,9 +192,29 @@ class Pipeline:
             target=_deep_process, args=(source, self.k, port, cfg.deep_threads or threads, split.backend, cfg.timeout),
             daemon=True)
         self.worker.start()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
-                                timeout=timedelta(seconds=cfg.timeout))
+        self._join_group(port, cfg.timeout)
         self.channel = ProcessChannel(0)
+
+    def _join_group(self, port: int, timeout: float) -> None:
+        """Rank 0 hosts the group's store and waits for the deep process to say it is ready (its model loaded),
+        watching it meanwhile: one that dies while starting is a PipelineError now, not a wait for the
+        group's timeout."""
+        store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=timeout), wait_for_workers=False)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                store.wait(["ready"], timedelta(seconds=0.2))
+                break
+            except RuntimeError:
+                if not self.worker.is_alive():
+                    self.closed = True
+                    raise PipelineError(f"the deep stage exited while starting (exit code {self.worker.exitcode})") \
+                        from None
+                if time.monotonic() > deadline:
+                    self.worker.kill()
+                    self.closed = True
+                    raise PipelineError(f"the deep stage did not start within {timeout:.0f} s") from None
+        dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=timeout))
 
     def set_mode(self, mode: str) -> None:
         """'ppsd' or 'mirror' for the next requests (the deep stage learns it with each prefill)."""
