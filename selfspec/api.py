@@ -229,7 +229,10 @@ class SelfSpec:
         cfg = self.resolve(config, **overrides)
         ids = self.encode(prompt)
         output = RequestOutput(self.tokenizer, cfg)
-        blocks = self.engine.generate_tokens(ids, cfg, output.stats)
+        if self.pipeline is not None and cfg.method == "selfspec":  # use_pipeline: PPSD / Mirror-SD
+            blocks = self.pipeline.tokens(ids, cfg, output.stats)
+        else:
+            blocks = self.engine.generate_tokens(ids, cfg, output.stats)
         try:
             for block in blocks:
                 ev = output.push(block)
@@ -246,9 +249,9 @@ class SelfSpec:
         return TextScheduler(self.engine, self.tokenizer, batch, self.eos_token_ids, self.pipeline)
 
     def use_pipeline(self, config: PipelineConfig | None = None, model_config: ModelConfig | None = None) -> Any:
-        """Decode 'selfspec' requests of ``scheduler`` sessions (the server) with the pipeline (PPSD or Mirror-SD,
-        selfspec.pipeline), one at a time; its deep stage loads ``model_config`` (default: a copy of this
-        model). ``None`` config: back to the sequential engine."""
+        """Decode 'selfspec' requests with the pipeline (PPSD or Mirror-SD, selfspec.pipeline): ``generate``,
+        ``stream`` and ``scheduler`` sessions (the server, one pipelined request at a time). Its deep stage loads
+        ``model_config`` (default: a copy of this model). ``None`` config: back to the sequential engine."""
         from selfspec.pipeline.service import PipelineService
 
         if self.pipeline is not None:

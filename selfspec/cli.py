@@ -75,17 +75,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if gen.method == "specee":
         print("selfspec: note: method 'specee' is LOSSY (SpecEE as published): the text may differ from the "
               "model's own; 'specee-verified' is the lossless mode", file=sys.stderr)
+    if args.pipeline:
+        from selfspec.config import PipelineConfig
+
+        ss.use_pipeline(PipelineConfig(mode=args.pipeline, transport=args.pipeline_transport),
+                        config_from_args(args, ModelConfig))
     result = None
-    for ev in ss.stream(_read_prompt(args, chat), gen):
-        sys.stdout.write(ev.text)
-        sys.stdout.flush()
-        result = ev.result
+    try:
+        for ev in ss.stream(_read_prompt(args, chat), gen):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            result = ev.result
+    finally:
+        ss.use_pipeline(None)  # stops the pipeline's deep stage, if any
     sys.stdout.write("\n")
     if result is not None and not args.quiet:
         d = ss.draft_config
         where = f"exit layer {d.exit_layer}, head {ss.head.kind}, gamma {d.gamma}, policy {d.policy}"
         if gen.method.startswith("specee") and ss.engine.specee is not None:
             where += f", exit threshold {ss.engine.specee.settings.threshold[gen.method]}"
+        if args.pipeline and gen.method == "selfspec":
+            where += f", pipeline {args.pipeline} over a {args.pipeline_transport}"
         print(f"[{gen.method}: {where}] {result.stats.summary()}", file=sys.stderr)
     return 0
 
@@ -100,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Wrap the prompt as a user message in the model's chat template "
                         "(plain text if the model has none).")
     g.add_argument("--quiet", action="store_true", help="Do not print stats.")
+    g.add_argument("--pipeline", choices=["ppsd", "mirror"], default=None,
+                   help="Draft and verify at the same time (docs/PIPELINE.md): PPSD or Mirror-SD, the deep stage in a "
+                        "second process (see --pipeline-transport).")
+    g.add_argument("--pipeline-transport", choices=["process", "thread"], default="process",
+                   help="Where the pipeline's deep stage runs: a second process, or a thread (one device).")
     add_config_args(g, ModelConfig)
     add_config_args(g, DraftConfig)
     add_config_args(g, GenerateConfig)

@@ -75,3 +75,14 @@ def test_cli_generate_streams_text_and_stats():
     missing = subprocess.run([sys.executable, "-m", "selfspec.cli", "generate", "x", "--model", "/no/such/model"],
                              capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "/no/such/model" in missing.stderr
+
+
+@pytest.mark.slow
+def test_cli_generate_through_the_pipeline_gives_the_same_text():
+    """`selfspec generate --pipeline mirror`: the deep stage in a second process; the text is the engine's."""
+    args = [sys.executable, "-m", "selfspec.cli", "generate", "Name three colours.", "--max-new-tokens", "20"]
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    piped = subprocess.run([*args, "--pipeline", "mirror"], capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == plain.stdout and piped.stdout.strip()
+    assert "pipeline mirror over a process" in piped.stderr

@@ -201,19 +201,15 @@ class Pipeline:
         group's timeout."""
         store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=timeout), wait_for_workers=False)
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                store.wait(["ready"], timedelta(seconds=0.2))
-                break
-            except RuntimeError:
-                if not self.worker.is_alive():
-                    self.closed = True
-                    raise PipelineError(f"the deep stage exited while starting (exit code {self.worker.exitcode})") \
-                        from None
-                if time.monotonic() > deadline:
-                    self.worker.kill()
-                    self.closed = True
-                    raise PipelineError(f"the deep stage did not start within {timeout:.0f} s") from None
+        while not store.check(["ready"]):
+            if not self.worker.is_alive():
+                self.closed = True
+                raise PipelineError(f"the deep stage exited while starting (exit code {self.worker.exitcode})")
+            if time.monotonic() > deadline:
+                self.worker.kill()
+                self.closed = True
+                raise PipelineError(f"the deep stage did not start within {timeout:.0f} s")
+            time.sleep(0.05)
         dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=timeout))
 
     def set_mode(self, mode: str) -> None:

@@ -1,7 +1,8 @@
 """The pipeline behind the scheduler and the server: one request at a time, restarted after a failure.
 
-    ss.use_pipeline(PipelineConfig(mode="mirror"))      # requests with method 'selfspec' now go through it
-    selfspec serve --pipeline mirror                     # the same, behind the OpenAI-compatible API
+    ss.use_pipeline(PipelineConfig(mode="mirror"))      # 'selfspec' requests now go through it
+    selfspec generate --pipeline mirror "Hello"          # the same from the command line
+    selfspec serve --pipeline mirror                     # behind the OpenAI-compatible API
 
 A stage that dies fails the request it was serving with a ``PipelineError`` (the server answers 503);
 the next request starts a fresh pipeline, so the server stays up.
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from selfspec.config import GenerateConfig, PipelineConfig
+from selfspec.engine import validate_request
 from selfspec.pipeline.ppsd import Pipeline
 from selfspec.stats import GenerationStats
 
@@ -34,6 +36,7 @@ class PipelineService:
 
     def tokens(self, prompt_ids: list[int], gen: GenerateConfig, stats: GenerationStats) -> Iterator[list[int]]:
         """New token chunks of one request, as the verdicts come in; ``stats`` follows them."""
+        validate_request(len(prompt_ids), gen, self.ss.split.context_length)
         pipe = self.start()
         self.busy = True
         try:
