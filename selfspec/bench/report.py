@@ -295,8 +295,8 @@ def plot_speedup(summary: dict[str, Any], path: Path) -> Path | None:
     ax.set_ylabel(f"speedup vs {summary['baseline']} (ratio of mean tokens/s)")
     ax.set_title(f"Spec-Bench, {summary['questions']} questions")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # The legend sits outside the axes: a tight bounding box keeps it whole at any method count.
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
 
 
