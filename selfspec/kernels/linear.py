@@ -24,57 +24,16 @@ kernel call instead of three, and the output is their concatenation.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import platform
-import warnings
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from selfspec.kernels.build import cpu_extension
+
 MAX_GEMV_ROWS = 16  # the custom kernel's row limit (a decoding step, a verification block)
 MAX_CHUNKED_ROWS = 64  # up to here, blocks of 16 rows through the kernel beat MKL's sgemm (measured below)
-_SOURCES = [Path(__file__).with_name("gemv.cpp"), Path(__file__).with_name("ops.cpp")]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-@lru_cache(maxsize=1)
-def cpu_extension() -> Any | None:
-    """selfspec's compiled CPU kernels (gemv.cpp: linear; ops.cpp: the fused decoding ops), built once per
-    source / torch / CPU into the cache (about a minute), or None where they cannot be built."""
-    if os.environ.get("SELFSPEC_KERNEL", "") in ("torch", "onednn"):
-        return None
-    from torch.utils import cpp_extension
-
-    from selfspec.models.loading import cache_root
-
-    src = b"".join(p.read_bytes() for p in _SOURCES)
-    tag = hashlib.sha256(src + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:12]
-    build = cache_root() / "kernels" / f"cpu-{tag}"
-    build.mkdir(parents=True, exist_ok=True)
-    try:
-        return cpp_extension.load(
-            name=f"selfspec_cpu_{tag}", sources=[str(p) for p in _SOURCES], build_directory=str(build),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja, an unusual platform: fall back, loudly once
-        warnings.warn(f"selfspec: could not build the CPU decoding kernel ({e}); using oneDNN / F.linear",
-                      stacklevel=2)
-        return None
-
-
 def _onednn_ok(dtype: torch.dtype) -> bool:
     return (
         os.environ.get("SELFSPEC_KERNEL", "") != "torch"

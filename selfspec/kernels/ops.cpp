@@ -15,6 +15,11 @@
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out,
                      bool accumulate);  // gemv.cpp
 
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
+                      int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate);  // quant.cpp
+torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
+                       double z, torch::Tensor ids, torch::Tensor out);  // quant.cpp
+
 namespace {
 void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous(), name, " must be contiguous float32");
@@ -176,4 +181,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qkv", &rope_qkv, "rotary on q and k of a fused qkv; k, v written into the cache; returns q", nogil);
   m.def("attention", &attention, "causal grouped-query attention of new queries over the cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
+  m.def("qlinear", &qlinear, "y = x @ W^T (+ bias) (+= into out) with a block-quantized packed weight", nogil);
+  m.def("qdequant", &qdequant, "rows of a block-quantized packed weight as float32", nogil);
 }

@@ -1,0 +1,63 @@
+"""Building selfspec's CPU kernels (gemv.cpp, quant.cpp, ops.cpp) once per source, torch and CPU.
+
+The extension is compiled with ``-march=native``, so the instruction set is chosen on the machine that
+runs it: AVX-512 (with its 16-row tiles) where the CPU has it, AVX2 otherwise. ``SELFSPEC_ISA=avx2``
+builds the AVX2 variant on an AVX-512 machine (to test it there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "quant.cpp", "ops.cpp")]
+
+
+def _isa_flags() -> list[str]:
+    if os.environ.get("SELFSPEC_ISA", "") == "avx2":
+        return ["-mno-avx512f"]
+    return []
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@lru_cache(maxsize=1)
+def cpu_extension() -> Any | None:
+    """selfspec's compiled CPU kernels (gemv.cpp: linear; ops.cpp: the fused decoding ops), built once per
+    source / torch / CPU into the cache (about a minute), or None where they cannot be built."""
+    if os.environ.get("SELFSPEC_KERNEL", "") in ("torch", "onednn"):
+        return None
+    from torch.utils import cpp_extension
+
+    from selfspec.models.loading import cache_root
+
+    src = b"".join(p.read_bytes() for p in _SOURCES)
+    tag = hashlib.sha256(src + torch.__version__.encode() + _cpu_flags().encode() + " ".join(_isa_flags()).encode()).hexdigest()[:12]
+    build = cache_root() / "kernels" / f"cpu-{tag}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=f"selfspec_cpu_{tag}", sources=[str(p) for p in _SOURCES], build_directory=str(build),
+            extra_cflags=["-O3", "-march=native", *_isa_flags(), "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, an unusual platform: fall back, loudly once
+        warnings.warn(f"selfspec: could not build the CPU decoding kernel ({e}); using oneDNN / F.linear",
+                      stacklevel=2)
+        return None
+
+

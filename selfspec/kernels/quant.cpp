@@ -1,0 +1,330 @@
+// selfspec's CPU kernels for GGUF block-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) (+= y),
+// W kept as small integer codes with a float32 scale (and offset) per group of 16 or 32 weights, each
+// weight dequantized in registers and multiplied against float32 activations.
+//
+// Exactness. selfspec/quant/formats.py decodes every GGUF block type into the same form
+//     w = (q - z) * s - o          q: integer code, z: the type's zero point, s, o: float32 per group
+// whose float32 evaluation (one multiply, one subtract) gives bit for bit the weight that gguf-py's
+// dequantize (and so transformers) computes: e.g. Q4_1 is d * q + m (o = -m), Q4_K is
+// (d * sc) * q - dmin * m, Q6_K is (d * sc) * (q - 32), Q8_0 is d * (q - 128) with q = int8 + 128.
+// Where an offset is subtracted, (q - z) * s is exact in float32 (a half-precision scale, or a half
+// times a 6-bit integer, times a code of at most 5 bits), so a fused multiply-subtract rounds
+// identically. The weights of the product are thus the dequantized model's; only the summation order
+// differs from F.linear, as it does for the float32 kernel (gemv.cpp).
+//
+// Packed layout (one tensor, made once at load by selfspec/quant/weight.py):
+//   codes    # [N / 16, G, CB] uint8     16 output rows (one vector of lanes) by G groups of g weights
+//   scales   # [N / 16, G, 16] float32   s of each row's group
+//   offsets  # [N / 16, G, 16] float32   o (only for types with one; else an empty tensor)
+// Inside a group of 16 rows x g columns (k = 0 .. g-1), CB bytes:
+//   bits 4, 5, 6: g / 2 vectors of 16 bytes, byte r of vector p = q[r][2p] & 15 | (q[r][2p + 1] & 15) << 4,
+//                 then for bits >= 5 one 16-bit plane per column (bit r = bit 4 of q[r][k]), for bits 6 a
+//                 second plane (bit 5);
+//   bits 8:       g vectors of 16 bytes, byte r of vector k = q[r][k].
+// Worked example, bits 5, rows r0 and r1 only, one column pair: q[r0] = (3, 17), q[r1] = (30, 0) pack as
+// nibble bytes (0x13, 0x0E), plane of k=0: bit 1 set (30 >= 16), plane of k=1: bit 0 set (17 >= 16).
+//
+// Each column's 16 weights are one vector, so a tile of MC x-rows keeps MC accumulators of 16 outputs,
+// one broadcast multiply-add per x-row and column, and no horizontal sums (as gemv.cpp).
+#include <torch/extension.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+typedef float vf __attribute__((vector_size(64)));    // 16 floats: one AVX-512 register, two AVX2 ones
+typedef int32_t vi __attribute__((vector_size(64)));  // 16 int32
+constexpr int L = 16;  // output rows per block
+
+#if defined(__AVX512F__)
+constexpr int MCMAX = 8;  // x-rows per tile (16 measured slower: 16 row pointers spill)
+#else
+constexpr int MCMAX = 4;  // AVX2: 8 of the 16 registers
+#endif
+
+const vi LANE_BIT = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+
+inline vf loadf(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vf bcast(float v) {  // (vf{} + v would add a zero: -0.0 + 0.0 is +0.0, so it is not dropped)
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(v);
+#else
+  const __m256 h = _mm256_set1_ps(v);
+  vf r;
+  std::memcpy(&r, &h, 32);
+  std::memcpy((char*)&r + 32, &h, 32);
+  return r;
+#endif
+}
+
+inline vf fma(vf a, vf b, vf c) {  // a * b + c, rounded once
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  __m256 a2[2], b2[2], c2[2];
+  std::memcpy(a2, &a, 64);
+  std::memcpy(b2, &b, 64);
+  std::memcpy(c2, &c, 64);
+  c2[0] = _mm256_fmadd_ps(a2[0], b2[0], c2[0]);
+  c2[1] = _mm256_fmadd_ps(a2[1], b2[1], c2[1]);
+  std::memcpy(&c, c2, 64);
+  return c;
+#endif
+}
+
+inline vi widen(const uint8_t* p) {  // 16 bytes -> 16 int32 (vpmovzxbd; GCC's generic conversion inserts bytewise)
+#if defined(__AVX512F__)
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#else
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+  vi v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy((char*)&v + 32, &hi, 32);
+  return v;
+#endif
+}
+
+// q plus ``add`` in the lanes whose bit is set in the 16-bit plane of column k (one masked add on AVX-512).
+inline vi add_plane(vi q, const uint8_t* planes, int k, int32_t add) {
+  uint16_t bits;
+  std::memcpy(&bits, planes + 2 * k, 2);
+#if defined(__AVX512F__)
+  return (vi)_mm512_mask_add_epi32((__m512i)q, (__mmask16)bits, (__m512i)q, _mm512_set1_epi32(add));
+#else
+  const vi b = vi{} + (int32_t)bits;
+  return q + (((b & LANE_BIT) != 0) & add);
+#endif
+}
+
+inline int64_t group_bytes(int bits, int64_t g) {
+  return bits == 8 ? g * L : g * 8 + (bits - 4) * g * 2;
+}
+
+// The codes of columns k and k + 1 of one group (k even).
+template <int BITS>
+inline void column_pair(const uint8_t* c, int64_t g, int k, vi& q0, vi& q1) {
+  if constexpr (BITS == 8) {
+    q0 = widen(c + k * L);
+    q1 = widen(c + (k + 1) * L);
+  } else {
+    const vi q = widen(c + k * 8);
+    q0 = q & 15;
+    q1 = q >> 4;
+    if constexpr (BITS >= 5) {
+      q0 = add_plane(q0, c + g * 8, k, 16);
+      q1 = add_plane(q1, c + g * 8, k + 1, 16);
+    }
+    if constexpr (BITS == 6) {
+      q0 = add_plane(q0, c + g * 10, k, 32);
+      q1 = add_plane(q1, c + g * 10, k + 1, 32);
+    }
+  }
+}
+
+// The weights of columns k, k + 1 of one group (16 rows each), multiplied into MC x-rows' sums a and b.
+// c = o, or z * s (exact: z is a power of two); w = q * s - c in one rounding, which is the two-step value
+// since q * s is exact for these types; 6-bit codes (Q6_K, where q * s may round) keep (q - z) * s.
+template <int BITS, int MC>
+inline void column_pair_madd(const uint8_t* __restrict cg, int64_t g, int k, vf s, vf c, vf zv,
+                             const float* __restrict xj, int64_t ldx, vf* a, vf* b) {
+  vi q0, q1;
+  column_pair<BITS>(cg, g, k, q0, q1);
+  vf w0, w1;
+  if constexpr (BITS == 6) {
+    w0 = (__builtin_convertvector(q0, vf) - zv) * s;
+    w1 = (__builtin_convertvector(q1, vf) - zv) * s;
+  } else {
+    w0 = fma(__builtin_convertvector(q0, vf), s, -c);
+    w1 = fma(__builtin_convertvector(q1, vf), s, -c);
+  }
+  for (int m = 0; m < MC; ++m) {
+    a[m] = fma(w0, bcast(xj[m * ldx + k]), a[m]);
+    b[m] = fma(w1, bcast(xj[m * ldx + k + 1]), b[m]);
+  }
+}
+
+// MC rows of x (row stride ldx) against one block of 16 output rows: res[MC][16]. Each x-row keeps four
+// (one row), two (up to 7 rows on AVX-512, 3 on AVX2) or one partial sum so that for few rows the multiply-adds do not wait on each other.
+template <int BITS, bool OFF, int MC>
+inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, const uint8_t* __restrict codes,
+                 const float* __restrict sc, const float* __restrict of, float z, float* __restrict res) {
+  vf a0[MC], a1[MC], a2[MC], a3[MC];
+  for (int m = 0; m < MC; ++m) a0[m] = a1[m] = a2[m] = a3[m] = vf{};
+  const vf zv = bcast(z);
+  const int64_t CB = group_bytes(BITS, g);
+  for (int64_t j = 0; j < G; ++j) {
+    const vf s = loadf(sc + j * L);
+    const vf c = OFF ? loadf(of + j * L) : zv * s;
+    const uint8_t* cg = codes + j * CB;
+    const float* xj = x + j * g;
+    if constexpr (MC == 1) {
+      for (int k = 0; k < g; k += 4) {
+        column_pair_madd<BITS, MC>(cg, g, k, s, c, zv, xj, ldx, a0, a1);
+        column_pair_madd<BITS, MC>(cg, g, k + 2, s, c, zv, xj, ldx, a2, a3);
+      }
+    } else if constexpr (MC <= 3 || (MCMAX == 8 && MC < 8)) {  // two sums per row while registers last
+      for (int k = 0; k < g; k += 2) column_pair_madd<BITS, MC>(cg, g, k, s, c, zv, xj, ldx, a0, a1);
+    } else {
+      for (int k = 0; k < g; k += 2) column_pair_madd<BITS, MC>(cg, g, k, s, c, zv, xj, ldx, a0, a0);
+    }
+  }
+  for (int m = 0; m < MC; ++m) {
+    const vf t = (a0[m] + a1[m]) + (a2[m] + a3[m]);
+    std::memcpy(res + m * L, &t, sizeof(vf));
+  }
+}
+
+template <int BITS, bool OFF>
+void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* sc, const float* of, int64_t NB,
+         int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N, bool accumulate) {
+  const int64_t CB = group_bytes(BITS, g);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < NB; ++b) {
+    float res[MCMAX * L];
+    const uint8_t* cb = codes + b * G * CB;
+    const float* sb = sc + b * G * L;
+    const float* ob = OFF ? of + b * G * L : nullptr;
+    const int64_t rows = std::min<int64_t>(L, N - b * L);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t left = M - m0;
+      const int64_t mc = left >= MCMAX ? MCMAX : (left >= 8 && MCMAX > 8 ? 8 : left);
+      const float* xm = x + m0 * K;
+      switch (mc) {
+        case 1: tile<BITS, OFF, 1>(xm, K, G, g, cb, sb, ob, z, res); break;
+        case 2: tile<BITS, OFF, 2>(xm, K, G, g, cb, sb, ob, z, res); break;
+        case 3: tile<BITS, OFF, 3>(xm, K, G, g, cb, sb, ob, z, res); break;
+#if defined(__AVX512F__)
+        case 4: tile<BITS, OFF, 4>(xm, K, G, g, cb, sb, ob, z, res); break;
+        case 5: tile<BITS, OFF, 5>(xm, K, G, g, cb, sb, ob, z, res); break;
+        case 6: tile<BITS, OFF, 6>(xm, K, G, g, cb, sb, ob, z, res); break;
+        case 7: tile<BITS, OFF, 7>(xm, K, G, g, cb, sb, ob, z, res); break;
+        case 8: tile<BITS, OFF, 8>(xm, K, G, g, cb, sb, ob, z, res); break;
+        default: tile<BITS, OFF, MCMAX>(xm, K, G, g, cb, sb, ob, z, res); break;
+#else
+        default: tile<BITS, OFF, MCMAX>(xm, K, G, g, cb, sb, ob, z, res); break;
+#endif
+      }
+      for (int64_t m = 0; m < mc; ++m) {
+        float* ym = y + (m0 + m) * ldy + b * L;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float v = res[m * L + r] + (bias ? bias[b * L + r] : 0.f);
+          ym[r] = accumulate ? ym[r] + v : v;
+        }
+      }
+      m0 += mc;
+    }
+  }
+}
+
+void check_packed(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets, int64_t bits,
+                  int64_t group) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "code width must be 4, 5, 6 or 8 bits, got ", bits);
+  TORCH_CHECK(group % 2 == 0 && group > 0, "group size must be even, got ", group);
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == torch::kByte, "codes: [N/16, G, CB] uint8");
+  TORCH_CHECK(codes.size(2) == group_bytes(bits, group), "codes: ", codes.size(2), " bytes per group, expected ",
+              group_bytes(bits, group));
+  TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.size(0) == codes.size(0) &&
+                  scales.size(1) == codes.size(1) && scales.size(2) == L && scales.scalar_type() == torch::kFloat,
+              "scales: [N/16, G, 16] float32");
+  TORCH_CHECK(offsets.numel() == 0 || (offsets.sizes() == scales.sizes() && offsets.is_contiguous() &&
+                                       offsets.scalar_type() == torch::kFloat),
+              "offsets: empty or shaped like scales");
+}
+
+}  // namespace
+
+// x [M, K] float32 contiguous; the packed weight (codes, scales, offsets, bits, group, zero point z);
+// bias [N] or empty; out [M, >= N] with unit column stride (a column slice of a wider output is fine),
+// written or added to. Returns out.
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
+                      int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
+  check_packed(codes, scales, offsets, bits, group);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), G = codes.size(1), N = out.size(1);
+  TORCH_CHECK(K == G * group, "x has ", K, " columns, the weight ", G * group);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && out.scalar_type() == torch::kFloat &&
+                  N <= NB * L && N > (NB - 1) * L,
+              "out: [M, N] float32 with unit column stride");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias: [N] or empty");
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const bool off = offsets.numel() > 0;
+  const float* op = off ? offsets.data_ptr<float>() : nullptr;
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* yp = out.data_ptr<float>();
+  const int64_t ldy = out.stride(0);
+  const float zf = (float)z;
+#define SELFSPEC_RUN(B, O) run<B, O>(xp, M, K, cp, sp, op, NB, G, group, zf, bp, yp, ldy, N, accumulate)
+  switch (bits * 2 + (off ? 1 : 0)) {
+    case 8: SELFSPEC_RUN(4, false); break;
+    case 9: SELFSPEC_RUN(4, true); break;
+    case 10: SELFSPEC_RUN(5, false); break;
+    case 11: SELFSPEC_RUN(5, true); break;
+    case 12: SELFSPEC_RUN(6, false); break;
+    case 13: SELFSPEC_RUN(6, true); break;
+    case 16: SELFSPEC_RUN(8, false); break;
+    default: SELFSPEC_RUN(8, true); break;
+  }
+#undef SELFSPEC_RUN
+  return out;
+}
+
+// Rows ``ids`` of the packed weight as float32: out [len(ids), K] (an embedding lookup, a slice of the
+// LM head, the reference backend's on-demand weights). The same formula as the kernel.
+torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
+                       double z, torch::Tensor ids, torch::Tensor out) {
+  check_packed(codes, scales, offsets, bits, group);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.is_contiguous(), "ids: [R] int64");
+  const int64_t R = ids.size(0), NB = codes.size(0), G = codes.size(1), K = G * group;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == R && out.size(1) == K && out.is_contiguous() &&
+                  out.scalar_type() == torch::kFloat,
+              "out: [R, K] float32");
+  const int64_t CB = group_bytes(bits, group);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.numel() ? offsets.data_ptr<float>() : nullptr;
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  float* yp = out.data_ptr<float>();
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < NB * L, "row id ", ip[i], " out of range");
+  const float zf = (float)z;
+#pragma omp parallel for schedule(static) if (R * K > 65536)
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t b = ip[i] / L, lane = ip[i] % L;
+    for (int64_t j = 0; j < G; ++j) {
+      const uint8_t* c = cp + (b * G + j) * CB;
+      const float s = sp[(b * G + j) * L + lane];
+      const float o = op ? op[(b * G + j) * L + lane] : 0.f;
+      for (int64_t k = 0; k < group; ++k) {
+        int32_t q;
+        if (bits == 8) {
+          q = c[k * L + lane];
+        } else {
+          q = (c[(k / 2) * L + lane] >> (4 * (k % 2))) & 15;
+          if (bits >= 5) {
+            uint16_t p;
+            std::memcpy(&p, c + group * 8 + 2 * k, 2);
+            q += ((p >> lane) & 1) << 4;
+          }
+          if (bits == 6) {
+            uint16_t p;
+            std::memcpy(&p, c + group * 10 + 2 * k, 2);
+            q += ((p >> lane) & 1) << 5;
+          }
+        }
+        const float w = ((float)q - zf) * s;
+        yp[i * K + j * group + k] = op ? w - o : w;
+      }
+    }
+  }
+  return out;
+}

@@ -1,0 +1,149 @@
+"""GGUF block types, decoded into one form the kernels compute with: ``w = (q - z) * s - o``.
+
+Each GGUF tensor type stores rows of blocks (32 or 256 weights) with half-precision scales and small
+integer codes packed in its own bit layout. ``decode`` turns a tensor's raw rows into
+
+    codes    # [N, K] uint8     q, an unsigned integer of ``bits`` bits
+    scales   # [N, K / g] float32  s per group of g weights
+    offsets  # [N, K / g] float32  o per group, or None where the type has none
+    zero     z, the type's integer zero point
+
+chosen so that ``(q - z) * s - o`` evaluated in float32 is bit for bit gguf-py's ``dequantize`` (the
+values transformers loads, so the target model does not change): the scale products (``d * sc`` of the
+K-quants) are formed here exactly as gguf-py forms them. ``tests/test_quant.py`` checks every type.
+
+| type | g | bits | z | s | o | gguf-py's value |
+|---|---|---|---|---|---|---|
+| Q4_0 | 32 | 4 | 8 | d | - | d * (q - 8) |
+| Q4_1 | 32 | 4 | 0 | d | -m | d * q + m |
+| Q5_0 | 32 | 5 | 16 | d | - | d * (q - 16) |
+| Q5_1 | 32 | 5 | 0 | d | -m | d * q + m |
+| Q8_0 | 32 | 8 | 128 | d | - | d * int8 (q = int8 + 128) |
+| Q4_K | 32 | 4 | 0 | d * sc | dmin * m | (d * sc) * q - dmin * m |
+| Q5_K | 32 | 5 | 0 | d * sc | dmin * m | (d * sc) * q - dmin * m |
+| Q6_K | 16 | 6 | 32 | d * sc | - | (d * sc) * (q - 32) |
+
+F32, F16 and BF16 tensors are plain floats (``float_types``); other GGUF types (Q2_K, Q3_K, the IQ
+types, ...) are refused with the list above (``UnsupportedQuantError``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf.quants import Q4_K
+
+from selfspec.errors import SelfSpecError
+
+
+class UnsupportedQuantError(SelfSpecError):
+    """A tensor type the quantized kernels do not compute with."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one GGUF type maps onto the kernels' form."""
+
+    group: int  # weights per scale (g)
+    bits: int  # code width: 4, 5, 6 or 8
+    zero: int  # z
+    offset: bool  # whether o is stored
+
+
+FORMATS: dict[str, Format] = {
+    "Q4_0": Format(32, 4, 8, False),
+    "Q4_1": Format(32, 4, 0, True),
+    "Q5_0": Format(32, 5, 16, False),
+    "Q5_1": Format(32, 5, 0, True),
+    "Q8_0": Format(32, 8, 128, False),
+    "Q4_K": Format(32, 4, 0, True),
+    "Q5_K": Format(32, 5, 0, True),
+    "Q6_K": Format(16, 6, 32, False),
+}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = (*FORMATS, *FLOAT_TYPES)
+
+
+def check_type(name: str, tensor: str = "a tensor") -> None:
+    """Raise a clear error for a GGUF tensor type selfspec cannot compute with natively."""
+    if name not in SUPPORTED_TYPES:
+        raise UnsupportedQuantError(
+            f"{tensor} has GGUF type {name}, which selfspec's quantized kernels do not support "
+            f"(supported: {', '.join(SUPPORTED_TYPES)}); load it with dtype='float32' to dequantize it instead"
+        )
+
+
+def _f16(b: np.ndarray) -> np.ndarray:  # [..., 2] uint8 -> [...] float32
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:  # [n, 16] bytes -> [n, 32]: low nibbles first, then high ones
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _bits32(qh: np.ndarray) -> np.ndarray:  # [n, 4] bytes (a little-endian uint32) -> [n, 32] bits
+    v = np.ascontiguousarray(qh).view(np.uint32)  # [n, 1]
+    return ((v >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def decode(raw: np.ndarray, type_name: str, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, Format]:
+    """``raw`` ``# [N, row_bytes] uint8`` rows of a GGUF tensor of ``type_name`` with ``k`` columns ->
+    (codes ``# [N, K] uint8``, scales ``# [N, K / g]``, offsets or None, format)."""
+    check_type(type_name)
+    fmt = FORMATS[type_name]
+    qt = T[type_name]
+    block, size = GGML_QUANT_SIZES[qt]
+    n = raw.shape[0]
+    if k % block or raw.shape[1] != k // block * size:
+        raise UnsupportedQuantError(f"{type_name} rows of {k} weights: {raw.shape[1]} bytes each, where blocks of "
+                                    f"{block} weights in {size} bytes need a row length that is a multiple of {block}")
+    b = np.ascontiguousarray(raw).reshape(-1, size)  # [n * blocks, size]
+    off = None
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        d = _f16(b[:, 0:2])
+        pos = 2
+        if fmt.offset:
+            off = -_f16(b[:, 2:4])
+            pos = 4
+        q = _nibbles(b[:, -16:])
+        if fmt.bits == 5:
+            q = q | (_bits32(b[:, pos : pos + 4]) << 4)
+        scale = d
+    elif type_name == "Q8_0":
+        scale = _f16(b[:, 0:2])
+        q = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    elif type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, m = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))  # [nb, 8] each (gguf-py's unpacking)
+        scale = d[:, None] * sc.astype(np.float32)  # [nb, 8], as gguf-py forms it
+        off = dmin[:, None] * m.astype(np.float32)
+        qs = b[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 15).reshape(-1, 8, 32)
+        if type_name == "Q5_K":
+            qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            q = q | ((qh & 1) << 4)
+    else:  # Q6_K
+        ql, qh, sc = b[:, 0:128], b[:, 128:192], b[:, 192:208].view(np.int8)
+        d = _f16(b[:, 208:210])
+        scale = d[:, None] * sc.astype(np.float32)  # [nb, 16]
+        lo = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+        hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = lo.reshape(-1, 8, 32) | (hi.reshape(-1, 8, 32) << 4)
+    groups = k // fmt.group
+    codes = np.ascontiguousarray(q, dtype=np.uint8).reshape(n, k)
+    scales = np.ascontiguousarray(scale, dtype=np.float32).reshape(n, groups)
+    offsets = None if off is None else np.ascontiguousarray(off, dtype=np.float32).reshape(n, groups)
+    return codes, scales, offsets, fmt
+
+
+def reference_values(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, fmt: Format) -> np.ndarray:
+    """``(q - z) * s - o`` in float32, ``# [N, K]``: what the kernels compute per weight (for tests)."""
+    n, k = codes.shape
+    s = np.repeat(scales, fmt.group, axis=1)
+    w = (codes.astype(np.float32) - np.float32(fmt.zero)) * s
+    if offsets is not None:
+        w = w - np.repeat(offsets, fmt.group, axis=1)
+    return w

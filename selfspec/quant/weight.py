@@ -1,0 +1,156 @@
+"""A block-quantized weight matrix, packed once for selfspec's kernels (``selfspec/kernels/quant.cpp``).
+
+``QuantWeight.from_gguf(raw, type_name, k)`` decodes a GGUF tensor's rows (``selfspec.quant.formats``)
+and interleaves 16 output rows per block, so a column of the block is one vector of codes:
+
+    codes    # [N / 16, G, CB] uint8   (CB bytes per group: nibble pairs, high-bit planes, or bytes)
+    scales   # [N / 16, G, 16] float32
+    offsets  # [N / 16, G, 16] float32, or an empty tensor
+
+Nothing else is kept: no float32 copy of the matrix. ``matmul`` runs the kernel (any number of rows, 16
+at a time), ``rows(ids)`` dequantizes some rows (an embedding lookup, a trimmed LM head), ``dense()``
+the whole matrix (the reference path only), ``select(ids)`` keeps some rows as a new QuantWeight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from selfspec.quant.formats import FORMATS, Format, decode
+
+LANES = 16  # output rows per packed block (one vector register of float32 on AVX-512)
+KERNEL_ROWS = 16  # x-rows per kernel call: the kernel keeps one accumulator per x-row and lane vector
+
+
+def _pack_codes(codes: np.ndarray, fmt: Format) -> np.ndarray:  # [N_pad, K] -> [N_pad / 16, G, CB]
+    n, k = codes.shape
+    g, groups = fmt.group, k // fmt.group
+    q = codes.reshape(n // LANES, LANES, groups, g).transpose(0, 2, 3, 1)  # [NB, G, g, 16]: column k's 16 rows
+    if fmt.bits == 8:
+        return np.ascontiguousarray(q).reshape(n // LANES, groups, g * LANES)
+    parts = [(q[:, :, 0::2] & 15) | ((q[:, :, 1::2] & 15) << 4)]  # [NB, G, g/2, 16] nibble pairs
+    weights = (1 << np.arange(LANES, dtype=np.uint32)).astype(np.uint32)
+    for bit in range(4, fmt.bits):  # one 16-bit plane per column and high bit
+        plane = (((q >> bit) & 1).astype(np.uint32) * weights).sum(axis=-1).astype(np.uint16)  # [NB, G, g]
+        parts.append(plane.view(np.uint8).reshape(n // LANES, groups, g * 2))
+    return np.concatenate([p.reshape(n // LANES, groups, -1) for p in parts], axis=-1)
+
+
+def _pack_groups(v: np.ndarray) -> np.ndarray:  # [N_pad, G] -> [N_pad / 16, G, 16]
+    n, groups = v.shape
+    return np.ascontiguousarray(v.reshape(n // LANES, LANES, groups).transpose(0, 2, 1))
+
+
+@dataclass
+class QuantWeight:
+    """A [N, K] weight in the kernels' packed block form (see the module docstring)."""
+
+    type_name: str  # the GGUF type it came from, e.g. "Q4_K"
+    shape: tuple[int, int]  # (N, K)
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+
+    @property
+    def format(self) -> Format:
+        return FORMATS[self.type_name]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a full read of the packed weight streams (what one decoding step reads)."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, type_name: str, k: int) -> QuantWeight:
+        """``raw`` ``# [N, row_bytes] uint8``: a GGUF tensor's rows of ``type_name`` with ``k`` columns."""
+        codes, scales, offsets, fmt = decode(raw, type_name, k)
+        return cls.from_codes(type_name, codes, scales, offsets)
+
+    @classmethod
+    def from_codes(cls, type_name: str, codes: np.ndarray, scales: np.ndarray,
+                   offsets: np.ndarray | None) -> QuantWeight:
+        fmt = FORMATS[type_name]
+        n, k = codes.shape
+        pad = -n % LANES
+        if pad:  # padding rows: code z, scale 0 -> weight 0 (never written out)
+            codes = np.concatenate([codes, np.full((pad, k), fmt.zero, dtype=np.uint8)])
+            scales = np.concatenate([scales, np.zeros((pad, scales.shape[1]), dtype=np.float32)])
+            if offsets is not None:
+                offsets = np.concatenate([offsets, np.zeros((pad, offsets.shape[1]), dtype=np.float32)])
+        return cls(
+            type_name, (n, k), torch.from_numpy(_pack_codes(codes, fmt)), torch.from_numpy(_pack_groups(scales)),
+            torch.from_numpy(_pack_groups(offsets)) if offsets is not None else torch.empty(0),
+        )
+
+    def _args(self) -> tuple:
+        f = self.format
+        return self.codes, self.scales, self.offsets, f.bits, f.group, float(f.zero)
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
+               accumulate: bool = False) -> torch.Tensor:
+        """``out`` ``# [M, >= N]`` (a column slice of a wider output is fine) = or += ``x`` ``# [M, K]`` @ W^T
+        (+ bias), 16 rows of x per kernel call."""
+        from selfspec.kernels.linear import cpu_extension
+
+        ext = cpu_extension()
+        b = bias if bias is not None else x.new_empty(0)
+        for s in range(0, x.shape[0], KERNEL_ROWS):
+            e = min(x.shape[0], s + KERNEL_ROWS)
+            ext.qlinear(x[s:e], *self._args(), b, out[s:e], accumulate)
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` ``# [R]`` dequantized: ``# [R, K]`` float32, bit for bit gguf-py's values."""
+        from selfspec.kernels.linear import cpu_extension
+
+        ids = ids.reshape(-1).to(torch.long).contiguous()
+        out = torch.empty(len(ids), self.shape[1], dtype=torch.float32)
+        if (ids >= self.shape[0]).any() or (ids < 0).any():
+            raise IndexError(f"row ids must be in [0, {self.shape[0]})")
+        return cpu_extension().qdequant(*self._args(), ids, out)
+
+    def dense(self) -> torch.Tensor:
+        """The whole matrix in float32 (the reference path; the engine never calls this)."""
+        return self.rows(torch.arange(self.shape[0]))
+
+    def unpacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(codes ``# [N, K]``, scales, offsets) as ``formats.decode`` gave them."""
+        fmt, (n, _k) = self.format, self.shape
+        nb, groups = self.codes.shape[0], self.codes.shape[1]
+        c = self.codes.numpy()
+        g = fmt.group
+        if fmt.bits == 8:
+            q = c.reshape(nb, groups, g, LANES)
+        else:
+            pairs = c[:, :, : g * 8].reshape(nb, groups, g // 2, LANES)
+            q = np.empty((nb, groups, g, LANES), dtype=np.uint8)
+            q[:, :, 0::2], q[:, :, 1::2] = pairs & 15, pairs >> 4
+            for i, bit in enumerate(range(4, fmt.bits)):
+                plane = c[:, :, g * 8 + i * g * 2 : g * 8 + (i + 1) * g * 2].copy().view(np.uint16)  # [NB, G, g]
+                q |= (((plane[..., None] >> np.arange(LANES, dtype=np.uint16)) & 1) << bit).astype(np.uint8)
+        codes = q.transpose(0, 3, 1, 2).reshape(nb * LANES, groups * g)[:n]
+
+        def groups_of(t: torch.Tensor) -> np.ndarray:
+            return t.numpy().transpose(0, 2, 1).reshape(nb * LANES, groups)[:n]
+
+        return codes, groups_of(self.scales), groups_of(self.offsets) if self.offsets.numel() else None
+
+    def select(self, ids: torch.Tensor | np.ndarray) -> QuantWeight:
+        """Rows ``ids`` as a new packed QuantWeight (a trimmed LM head: the rows stay quantized)."""
+        codes, scales, offsets = self.unpacked()
+        idx = np.asarray(ids, dtype=np.int64)
+        return QuantWeight.from_codes(self.type_name, codes[idx], scales[idx],
+                                      offsets[idx] if offsets is not None else None)
+
+    @staticmethod
+    def concat(parts: list[QuantWeight]) -> QuantWeight:
+        """Several weights of one type and K, each N a multiple of 16, as one (fused q/k/v, gate/up)."""
+        first = parts[0]
+        if any(p.type_name != first.type_name or p.shape[1] != first.shape[1] or p.shape[0] % LANES for p in parts):
+            raise ValueError("concat needs one type, one K and row counts that are multiples of 16")
+        return QuantWeight(first.type_name, (sum(p.shape[0] for p in parts), first.shape[1]),
+                           torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                           torch.cat([p.offsets for p in parts]) if first.offsets.numel() else torch.empty(0))

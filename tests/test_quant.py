@@ -1,0 +1,89 @@
+"""Block-quantized weights: every GGUF type decodes to gguf-py's exact values, and the kernels multiply
+with them as dequantize + F.linear does (rows 1-64, odd shapes, bias, accumulate, column slices)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
+
+from selfspec.quant.formats import FORMATS, UnsupportedQuantError, check_type, decode, reference_values
+from selfspec.quant.weight import QuantWeight
+
+QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf-py quantizes these
+K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]  # random blocks with finite scales
+
+
+def random_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """A GGUF tensor's raw rows ``# [n, row_bytes] uint8`` of ``type_name``."""
+    rng = np.random.default_rng(seed)
+    qt = GGMLQuantizationType[type_name]
+    if type_name in QUANTIZABLE:
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        w[0, :8] = 0.0  # a zero stretch (d = 0 for Q4_0's first block... a corner worth having)
+        return quantize(w, qt)
+    block, size = GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(n * (k // block), size), dtype=np.uint8)
+    halves = (rng.standard_normal((n * (k // block), 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if type_name == "Q6_K":
+        raw[:, 208:210] = halves[:, 0:2]  # d at the end
+    else:
+        raw[:, 0:4] = halves  # d, dmin first
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
+def test_decode_is_gguf_dequantize_bit_for_bit(type_name):
+    raw = random_tensor(type_name, 20, 512)
+    codes, scales, offsets, fmt = decode(raw, type_name, 512)
+    want = dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32)
+    got = reference_values(codes, scales, offsets, fmt)
+    assert codes.max() < 2**fmt.bits
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    qw = QuantWeight.from_gguf(raw, type_name, 512)
+    np.testing.assert_array_equal(qw.dense().numpy().view(np.uint32), want.view(np.uint32))  # the kernel's dequant
+    c2, s2, o2 = qw.unpacked()
+    np.testing.assert_array_equal(c2, codes)
+    np.testing.assert_array_equal(s2, scales)
+
+
+@pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 40, 64])
+def test_kernel_matches_dequantize_linear(type_name, rows):
+    n, k = 53, 256 * 3  # an odd N (padding rows), K of three super-blocks
+    raw = random_tensor(type_name, n, k, seed=rows)
+    qw = QuantWeight.from_gguf(raw, type_name, k)
+    w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    want = F.linear(x.double(), w.double(), bias.double())
+    # float32 summation in another order: bounded by a few ulps of the sum of |x * w|
+    bound = 1e-6 * (F.linear(x.abs(), w.abs()).double() + bias.abs().double()) + 1e-6
+    out = torch.full((rows, n + 7), 3.0)  # a wider output: the weight writes columns [2, 2 + n)
+    qw.matmul(x, out[:, 2 : 2 + n], bias)
+    assert ((out[:, 2 : 2 + n].double() - want).abs() <= bound).all()
+    assert (out[:, :2] == 3.0).all() and (out[:, 2 + n :] == 3.0).all()
+    qw.matmul(x, out[:, 2 : 2 + n], None, accumulate=True)
+    want2 = want + F.linear(x.double(), w.double())
+    assert ((out[:, 2 : 2 + n].double() - want2).abs() <= 2 * bound + 1e-6 * want.abs()).all()
+
+
+def test_select_and_concat_keep_rows():
+    raw = random_tensor("Q4_K", 48, 256)
+    qw = QuantWeight.from_gguf(raw, "Q4_K", 256)
+    ids = torch.tensor([40, 3, 17, 16])
+    torch.testing.assert_close(qw.select(ids).dense(), qw.rows(ids), rtol=0, atol=0)
+    both = QuantWeight.concat([qw, QuantWeight.from_gguf(raw[:16], "Q4_K", 256)])
+    assert both.shape == (64, 256)
+    torch.testing.assert_close(both.rows(torch.tensor([47, 48, 63])), qw.rows(torch.tensor([47, 0, 15])), rtol=0, atol=0)
+    with pytest.raises(IndexError):
+        qw.rows(torch.tensor([48]))
+
+
+def test_unsupported_type_names_the_supported_ones():
+    with pytest.raises(UnsupportedQuantError, match="Q2_K.*supported: Q4_0, Q4_1"):
+        check_type("Q2_K", "blk.0.ffn_down.weight")
+    assert set(FORMATS) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
