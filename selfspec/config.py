@@ -28,7 +28,13 @@ class ModelConfig:
         "directory with config + safetensors, a .gguf file, or a Hugging Face hub id.",
     )
     gguf_file: str | None = opt(None, "GGUF file name inside `model` (a folder or hub repo), if loading a GGUF.")
-    dtype: str = opt("float32", "Weights and activations dtype: float32 or bfloat16.", choices=["float32", "bfloat16"])
+    dtype: str = opt(
+        "auto",
+        "Weights dtype. 'auto': a GGUF file keeps its block-quantized weights (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K; "
+        "selfspec's quantized kernels compute with the exact dequantized values, docs/QUANTIZED.md), anything "
+        "else loads in float32; 'float32' dequantizes a GGUF into a cached float32 copy; 'bfloat16'.",
+        choices=["auto", "float32", "bfloat16"],
+    )
     device: str = opt("cpu", "torch device to run on (cpu, cuda, cuda:0, ...).")
     threads: int | None = opt(None, "torch intra-op threads (None: torch's default).")
     backend: str = opt(

@@ -81,9 +81,9 @@ def tuning_key(split: SplitModel, head: ExitHead) -> dict[str, Any]:
     head_id = head.source or f"{head.kind}@{head.exit_layer}"
     if head.source and (Path(head.source) / "head.safetensors").is_file():
         head_id += f"#{(Path(head.source) / 'head.safetensors').stat().st_size}"
-    weights = round(float(split.lm_head.weight[:4].double().sum()), 6)  # tells random test models apart
+    weights = round(float(split.lm_rows(torch.arange(4)).double().sum()), 6)  # tells random test models apart
     return {"version": TUNING_VERSION, "model": model_fingerprint(split), "weights": weights, "head": head_id, "kind": head.kind,
-            "vocab_drafted": len(head.vocab_ids), "dtype": str(split.dtype), "backend": split.backend,
+            "vocab_drafted": len(head.vocab_ids), "dtype": str(split.dtype), "backend": split.backend, "kernel": split.kernel,
             "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "device": str(split.device)}
 

@@ -52,7 +52,7 @@ def test_candidate_logits_from_lm_head_rows_equal_the_full_logits(arch, tmp_path
 
     norm = Norm(split.norm)
     for j in range(7):  # the decoding path: norm folded into the rows, plain-Python features
-        scorer = CandidateScorer(norm.weight, norm.eps, split.lm_head.weight, cands[j], split.softcap)
+        scorer = CandidateScorer(norm.weight, norm.eps, split.lm_head.weight[cands[j]], split.softcap)
         assert torch.allclose(torch.tensor(scorer(h[j])), full[j, cands[j]], atol=1e-4)
     logits, prev, draft = full.gather(1, cands), torch.softmax(torch.randn(7, 4, generator=g), -1), torch.rand(7, 4)
     feats, probs = candidate_features(logits, prev, draft)

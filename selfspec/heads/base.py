@@ -107,8 +107,7 @@ class ExitHead(nn.Module):
         if len(self.vocab_ids) == 0:
             return self.split.head_logits(x_normed)
         if self._trim_lm is None or self._trim_lm.device != x_normed.device:
-            rows = self.split.lm_head.weight[self.vocab_ids].detach().contiguous()
-            self._trim_lm = PackedLinear([(rows, None)])
+            self._trim_lm = self.split.lm_head_part(self.vocab_ids)
         part = self._trim_lm(x_normed)
         if self.split.softcap is not None:
             part = torch.tanh(part / self.split.softcap) * self.split.softcap

@@ -11,8 +11,6 @@ attention keeps its own one-layer KV cache per sequence, rolled back with the ta
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from selfspec.heads.base import CachedHead
@@ -20,6 +18,7 @@ from selfspec.heads.kangaroo import RMSNorm
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Rotary
 from selfspec.models.split import SplitModel, TreeAttention, block_mask, causal_mask
+from selfspec.quant.modules import dequantized_copy
 
 
 class DecoderLayerHead(CachedHead):
@@ -28,7 +27,7 @@ class DecoderLayerHead(CachedHead):
     def __init__(self, split: SplitModel, exit_layer: int) -> None:
         super().__init__(split, exit_layer)
         src = min(exit_layer, split.num_layers - 1)  # the target layer copied (k, or the last at k = L)
-        self.block = copy.deepcopy(split.layers[src])
+        self.block = dequantized_copy(split.layers[src])
         self.block.self_attn.layer_idx = 0  # its own one-layer cache
         self.norm_out = RMSNorm(split.hidden_size, getattr(split.config, "rms_norm_eps", 1e-6))
         self._kind, self._window = split.layer_types[src], split.windows[src]

@@ -111,7 +111,7 @@ class FastLayer:
         self.num_heads: int = cfg.num_attention_heads
         self.num_kv_heads: int = cfg.num_key_value_heads
         self.scaling: float = attn.scaling
-        self.ops = cpu_extension() if self.qkv.path == "selfspec-cpu" else None
+        self.ops = cpu_extension() if self.qkv.path in ("selfspec-cpu", "selfspec-quant") else None
         probe = torch.linspace(-6, 6, 64, dtype=self.qkv.dtype, device=self.qkv.device)
         self.silu = bool(torch.equal(self.act(probe), F.silu(probe)))
 

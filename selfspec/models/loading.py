@@ -33,6 +33,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto: a GGUF keeps its quantized weights (CPU), anything else float32
 SUPPORTED_MODEL_TYPES = SUPPORTED_ARCHITECTURES
 
 
@@ -188,18 +189,59 @@ def load_config(where: str, gguf_file: str | None) -> Any:
         raise ModelNotFoundError(f"cannot load a model config from '{where}': {e}") from e
 
 
+def local_gguf(cfg: ModelConfig) -> Path | None:
+    """The local GGUF file a config names ('default': the wheel's), else None (safetensors, hub ids)."""
+    if cfg.model in ("default", "", None):
+        return default_gguf_path()
+    path = Path(cfg.model).expanduser()
+    if path.is_dir() and cfg.gguf_file is not None:
+        if not (path / cfg.gguf_file).is_file():
+            raise ModelNotFoundError(f"no GGUF file '{cfg.gguf_file}' in {path}")
+        return path / cfg.gguf_file
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    return None
+
+
+def is_native_quantized(cfg: ModelConfig) -> bool:
+    """Whether ``cfg`` loads a GGUF with its quantized weights kept (dtype 'auto' on the CPU)."""
+    return cfg.dtype == "auto" and torch.device(cfg.device).type == "cpu" and local_gguf(cfg) is not None
+
+
+def _load_native(gguf: Path) -> tuple[Any, Any]:
+    from selfspec.models.gguf import load_gguf_model, load_gguf_tokenizer
+
+    config = load_config(str(gguf.parent), gguf.name)
+    check_supported(config.model_type)  # before any weights are read
+    name = DEFAULT_MODEL_NAME if gguf == default_gguf_path() else gguf_cache_dir(gguf).name
+    try:
+        model = load_gguf_model(gguf, config)
+        tokenizer = load_gguf_tokenizer(gguf, cache_root() / "tokenizers" / name)
+    except SelfSpecError:
+        raise
+    except Exception as e:  # a GGUF transformers cannot map, a tokenizer it cannot build
+        raise ModelNotFoundError(f"cannot load the GGUF file '{gguf}': {e}") from e
+    return model, tokenizer
+
+
 def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
-    """-> (transformers CausalLM in eval mode without grads, tokenizer)."""
+    """-> (transformers CausalLM in eval mode without grads, tokenizer). With ``dtype='auto'`` a GGUF keeps
+    its block-quantized weights (``selfspec.models.gguf``); ``dtype='float32'`` dequantizes it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if cfg.dtype not in DTYPES:
-        raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
+    if cfg.dtype not in DTYPE_CHOICES:
+        raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got '{cfg.dtype}'")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if is_native_quantized(cfg):
+        model, tokenizer = _load_native(local_gguf(cfg))
+        if model.generation_config is not None and model.generation_config.pad_token_id is None:
+            model.generation_config.pad_token_id = tokenizer.eos_token_id
+        return model, tokenizer
     where, gguf = resolve_model(cfg.model, cfg.gguf_file)
     config = load_config(where, gguf)
     check_supported(config.model_type)  # before any weights are read
-    kw: dict[str, Any] = {"dtype": DTYPES[cfg.dtype], "attn_implementation": "sdpa"}
+    kw: dict[str, Any] = {"dtype": DTYPES.get(cfg.dtype, torch.float32), "attn_implementation": "sdpa"}
     if gguf:
         kw["gguf_file"] = gguf
     try:

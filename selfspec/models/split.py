@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from selfspec.errors import InvalidConfigError, UnsupportedArchitectureError
-from selfspec.kernels.linear import kernel_name, pack_linear
+from selfspec.kernels.linear import PackedLinear, kernel_name, pack_linear
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Norm, Rotary, Segment
+from selfspec.quant.modules import is_quantized, weight_rows
 
 BACKENDS = ("fast", "reference")
 
@@ -98,7 +99,10 @@ class SplitModel:
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.backend = backend
+        self.quantized = is_quantized(model)  # a GGUF with its block-quantized weights (selfspec.quant)
         self.kernel = kernel_name(self.device, self.dtype) if backend == "fast" else "transformers-modules"
+        if backend == "fast" and self.quantized:
+            self.kernel = "selfspec-quant"
         self.fast_layers: list[FastLayer] = []
         if backend == "fast":
             self.fast_layers = [FastLayer(layer, i, self.windows[i]) for i, layer in enumerate(self.layers)]
@@ -239,6 +243,17 @@ class SplitModel:
                 if rides[j].capture == hi:
                     rides[j].captured = h
         return cur
+
+    def lm_rows(self, ids: torch.Tensor) -> torch.Tensor:  # ids [R] -> [R, hidden] float32 rows of the LM head
+        """Rows of the LM head's weight (dequantized rows only, for a quantized model)."""
+        return weight_rows(self.lm_head, ids).float()
+
+    def lm_head_part(self, ids: torch.Tensor) -> PackedLinear:
+        """The LM head restricted to rows ``ids`` (``# [R]``), packed for decoding (quantized rows stay so)."""
+        qweight = getattr(self.lm_head, "qweight", None)
+        if qweight is not None:
+            return PackedLinear([(qweight.select(ids.cpu()), None)])
+        return PackedLinear([(self.lm_head.weight[ids].detach().contiguous(), None)])
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self._fast_norm(h) if self.fast_layers else self.norm(h)

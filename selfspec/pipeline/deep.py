@@ -83,8 +83,8 @@ class DeepStage:
         self.generator = None if self.gen.greedy else make_generator(None if p.seed is None else p.seed + 1)
         if p.signal_layer:
             self.signal_rows = rows if rows.numel() else None
-            w = split.lm_head.weight
-            self.signal_weight = w if self.signal_rows is None else w[self.signal_rows]
+            rows = self.signal_rows if self.signal_rows is not None else torch.arange(split.vocab_size)
+            self.signal_weight = split.lm_rows(rows)
         self.cache = split.new_cache(P + 256)
         h = split.run_layers(states.to(split.dtype), self.k, split.num_layers, torch.arange(P)[None], self.cache)
         x = pick(split.logits(h[:, -1:])[0, -1], self.gen, self.generator)

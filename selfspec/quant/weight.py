@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from selfspec.kernels.build import cpu_extension
 from selfspec.quant.formats import FORMATS, Format, decode
 
 LANES = 16  # output rows per packed block (one vector register of float32 on AVX-512)
@@ -93,8 +94,6 @@ class QuantWeight:
                accumulate: bool = False) -> torch.Tensor:
         """``out`` ``# [M, >= N]`` (a column slice of a wider output is fine) = or += ``x`` ``# [M, K]`` @ W^T
         (+ bias), 16 rows of x per kernel call."""
-        from selfspec.kernels.linear import cpu_extension
-
         ext = cpu_extension()
         b = bias if bias is not None else x.new_empty(0)
         for s in range(0, x.shape[0], KERNEL_ROWS):
@@ -104,8 +103,6 @@ class QuantWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` ``# [R]`` dequantized: ``# [R, K]`` float32, bit for bit gguf-py's values."""
-        from selfspec.kernels.linear import cpu_extension
-
         ids = ids.reshape(-1).to(torch.long).contiguous()
         out = torch.empty(len(ids), self.shape[1], dtype=torch.float32)
         if (ids >= self.shape[0]).any() or (ids < 0).any():

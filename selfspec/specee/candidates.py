@@ -33,7 +33,7 @@ def candidate_logits(
     cands: torch.Tensor,  # [n, c] candidate token ids
 ) -> torch.Tensor:  # [n, c] float32, equal to split.logits(h)[..., cands]
     x = split.final_norm(h)
-    rows = split.lm_head.weight[cands]  # [n, c, hidden]
+    rows = split.lm_rows(cands.reshape(-1)).view(*cands.shape, -1)  # [n, c, hidden]
     out = torch.einsum("nh,nch->nc", x.to(rows.dtype), rows).float()
     if split.softcap is not None:
         out = torch.tanh(out / split.softcap) * split.softcap
@@ -61,9 +61,9 @@ class CandidateScorer:
         logits = rsqrt(mean(h^2) + eps) * (W_lm[cand] * w_norm) . h
     """
 
-    def __init__(self, norm_weight: torch.Tensor, eps: float, lm_weight: torch.Tensor, cands: torch.Tensor,
-                 softcap: float | None) -> None:  # cands [c]
-        self.rows = (lm_weight[cands].float() * norm_weight.float()).contiguous()  # [c, hidden]
+    def __init__(self, norm_weight: torch.Tensor, eps: float, lm_rows: torch.Tensor,
+                 softcap: float | None) -> None:  # lm_rows [c, hidden]: the candidates' LM-head rows
+        self.rows = (lm_rows.float() * norm_weight.float()).contiguous()  # [c, hidden]
         self.eps, self.softcap = eps, softcap
 
     def __call__(self, h: torch.Tensor) -> list[float]:  # h [hidden] -> c logits

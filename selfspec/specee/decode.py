@@ -114,7 +114,7 @@ class SpecEERunner:
                 out.h_k = h
                 if head:
                     out.cands, out.draft_probs, out.f_hat = self._candidates(seq, h, p, f_prev)
-                    out.scorer = CandidateScorer(*self._norm, split.lm_head.weight, out.cands, split.softcap)
+                    out.scorer = CandidateScorer(*self._norm, split.lm_rows(out.cands), split.softcap)
             if i not in check_layers or out.cands is None:
                 return False
             t0 = time.perf_counter()

@@ -1,0 +1,146 @@
+"""Loading a GGUF file natively: the model keeps its block-quantized weights (no float32 copy).
+
+transformers builds the model's structure from the GGUF's metadata (on the meta device: nothing is
+allocated); its own name map (``get_gguf_hf_weights_map``) and tensor processors (the Llama q/k row
+permutation, Gemma's norm offset) place every tensor, exactly as its dequantizing loader would. Then:
+
+- each quantized Linear weight becomes a ``QuantLinear`` (``selfspec.quant``), packed for the kernels;
+- the quantized token embedding becomes a ``QuantEmbedding`` (rows dequantized as they are looked up);
+  a tied LM head shares its packed weight;
+- float tensors (norms, biases; F32, F16 and BF16 matrices) are loaded as float32 parameters.
+
+The dequantized values of every quantized weight are gguf-py's bit for bit (``selfspec.quant.formats``),
+so the target model is the same as the float32 conversion's (``dtype='float32'``). The tokenizer, built
+from the GGUF's vocabulary by transformers, is cached beside the converted models.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from selfspec.errors import ModelNotFoundError, SelfSpecError
+from selfspec.models.split import check_supported
+from selfspec.progress import progress, quiet_transformers
+from selfspec.quant.formats import FLOAT_TYPES, check_type
+from selfspec.quant.modules import QuantEmbedding, QuantLinear
+from selfspec.quant.weight import QuantWeight
+
+
+def _reader(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # gguf-py raises ValueError / IndexError / struct errors on truncated or corrupt files
+        raise ModelNotFoundError(f"'{path}' is not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+
+def _row_permutation(processor: Any, name: str, n: int) -> np.ndarray | None:
+    """The rows transformers' tensor processor reorders (Llama's q/k), found by processing row indices."""
+    idx = np.arange(n, dtype=np.int64).reshape(n, 1)
+    out = processor.process(weights=idx, name=name, tensor_key_mapping={}, parsed_parameters={})
+    perm = np.asarray(out.weights).reshape(-1)
+    if out.weights.shape != (n, 1) or not np.array_equal(np.sort(perm), idx[:, 0]):
+        raise SelfSpecError(f"transformers transforms GGUF tensor {name} beyond a row permutation; "
+                            "load this model with dtype='float32'")
+    return None if np.array_equal(perm, idx[:, 0]) else perm
+
+
+def _set_module(model: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, _, child = dotted.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def load_gguf_model(path: Path, config: Any) -> nn.Module:
+    """A transformers CausalLM for ``config`` whose weights are ``path``'s, quantized ones kept quantized."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        read_field,
+    )
+
+    check_supported(config.model_type)
+    reader = _reader(path)
+    with init_empty_weights(include_buffers=False), quiet_transformers():  # rotary tables stay real
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    arch = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    tensors: dict[str, Any] = {}
+    for t in reader.tensors:
+        if t.name in names:
+            tensors[names[t.name]] = t
+    params = dict(model.named_parameters(remove_duplicate=False))
+    quant: dict[str, QuantWeight] = {}  # module name -> its packed weight
+    with progress(total=len(tensors), desc=f"packing {path.name}", unit="tensor", inner=True) as bar:
+        for hf_name, t in tensors.items():
+            type_name = t.tensor_type.name
+            check_type(type_name, t.name)
+            module_name, _, kind = hf_name.rpartition(".")
+            module = model.get_submodule(module_name)
+            if type_name in FLOAT_TYPES or not isinstance(module, (nn.Linear, nn.Embedding)) or kind != "weight":
+                from gguf import dequantize
+
+                w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(params[hf_name].shape)
+                w = processor.process(weights=w, name=t.name, tensor_key_mapping={}, parsed_parameters={}).weights
+                value = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+                module._parameters[kind] = nn.Parameter(value, requires_grad=False)
+            else:
+                raw = t.data  # [N, row_bytes] uint8, memory-mapped
+                perm = _row_permutation(processor, t.name, raw.shape[0])
+                if perm is not None:
+                    raw = raw[perm]
+                quant[module_name] = QuantWeight.from_gguf(raw, type_name, params[hf_name].shape[1])
+            bar.update()
+    for module_name, qw in quant.items():
+        module = model.get_submodule(module_name)
+        if isinstance(module, nn.Embedding):
+            scale = getattr(module, "embed_scale", None)
+            _set_module(model, module_name, QuantEmbedding(qw, module.padding_idx, scale))
+        else:
+            bias = module.bias if module.bias is not None and module.bias.device.type != "meta" else None
+            _set_module(model, module_name, QuantLinear(qw, None if bias is None else bias.detach()))
+    if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.device.type == "meta":  # tied, no output.weight
+        embed = model.model.embed_tokens
+        if isinstance(embed, QuantEmbedding):
+            model.lm_head = QuantLinear(embed.qweight)  # the same packed weight, not a copy
+        else:
+            model.lm_head.weight = embed.weight
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ModelNotFoundError(f"'{path}' lacks tensors the {config.model_type} model needs: {', '.join(missing[:5])}")
+    return model.eval().requires_grad_(False)
+
+
+def load_gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
+    """The GGUF's tokenizer, built once by transformers and cached as a tokenizer directory."""
+    from transformers import AutoTokenizer
+
+    if (cache_dir / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cache_dir))
+    with quiet_transformers():
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir.parent / f".{cache_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cache_dir / "tokenizer_config.json").is_file():
+            tmp = Path(tempfile.mkdtemp(dir=cache_dir.parent, prefix=f".{cache_dir.name}."))
+            try:
+                tok.save_pretrained(tmp)
+                os.replace(tmp, cache_dir)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return tok

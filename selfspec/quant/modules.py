@@ -1,0 +1,103 @@
+"""``nn.Module``s holding block-quantized weights in place of a transformers model's Linear and Embedding.
+
+A model loaded from a GGUF natively (``selfspec.models.gguf``) keeps its transformers structure, with its
+linears and token embedding swapped for these. The fast backend reads their ``qweight`` and runs the
+quantized kernels; transformers' own forward (the reference backend, ``generate`` as a peer, the
+lossless tests) calls ``forward`` here, which dequantizes the weight on first use and keeps that float32
+copy for later calls: only the reference path ever materializes one (``drop_dense`` frees it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfspec.quant.weight import QuantWeight
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W^T + b`` with W a ``QuantWeight`` ``# [out_features, in_features]``."""
+
+    def __init__(self, qweight: QuantWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.out_features, self.in_features = qweight.shape
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (float32, made on first use and kept: the reference path only)."""
+        if self._dense is None:
+            self._dense = self.qweight.dense()
+        return self._dense
+
+    def drop_dense(self) -> None:
+        self._dense = None
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W in float32, without dequantizing the rest."""
+        return self.qweight.rows(ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, type={self.qweight.type_name}"
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding whose rows are dequantized as they are looked up (``embed_scale``: Gemma's)."""
+
+    def __init__(self, qweight: QuantWeight, padding_idx: int | None = None,
+                 embed_scale: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.padding_idx = padding_idx
+        self.embed_scale = embed_scale
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table in float32 (transient; nothing in the engine asks for it)."""
+        return self.qweight.dense()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.qweight.rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.qweight.type_name}"
+
+
+def weight_rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` ``# [R]`` of a Linear's or QuantLinear's weight, ``# [R, in_features]``."""
+    if isinstance(module, QuantLinear):
+        return module.rows(ids)
+    return module.weight[ids]
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
+
+
+def dequantized_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` with every QuantLinear turned into a float32 ``nn.Linear`` (a trainable
+    copy of a target layer: an exit head's block)."""
+    import copy
+
+    out = copy.deepcopy(module)
+    for name, child in list(out.named_modules()):
+        if isinstance(child, QuantLinear):
+            lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+            with torch.no_grad():
+                lin.weight.copy_(child.weight)
+                if child.bias is not None:
+                    lin.bias.copy_(child.bias)
+            child.drop_dense()
+            parent, _, attr = name.rpartition(".")
+            setattr(out.get_submodule(parent) if parent else out, attr, lin)
+    return out
