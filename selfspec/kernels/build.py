@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from selfspec.paths import cache_root
+
 _SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "quant.cpp", "ops.cpp")]
 
 
@@ -43,8 +45,6 @@ def cpu_extension() -> Any | None:
     if os.environ.get("SELFSPEC_KERNEL", "") in ("torch", "onednn"):
         return None
     from torch.utils import cpp_extension
-
-    from selfspec.models.loading import cache_root
 
     src = b"".join(p.read_bytes() for p in _SOURCES)
     tag = hashlib.sha256(src + torch.__version__.encode() + _cpu_flags().encode() + " ".join(_isa_flags()).encode()).hexdigest()[:12]

@@ -31,7 +31,7 @@ from selfspec.errors import ModelNotFoundError, SelfSpecError
 from selfspec.models.split import check_supported
 from selfspec.progress import progress, quiet_transformers
 from selfspec.quant.formats import FLOAT_TYPES, check_type
-from selfspec.quant.modules import QuantEmbedding, QuantLinear
+from selfspec.quant.store import assemble, empty_model, load_packed, save_packed
 from selfspec.quant.weight import QuantWeight
 
 
@@ -55,15 +55,10 @@ def _row_permutation(processor: Any, name: str, n: int) -> np.ndarray | None:
     return None if np.array_equal(perm, idx[:, 0]) else perm
 
 
-def _set_module(model: nn.Module, dotted: str, module: nn.Module) -> None:
-    parent, _, child = dotted.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
-def load_gguf_model(path: Path, config: Any) -> nn.Module:
-    """A transformers CausalLM for ``config`` whose weights are ``path``'s, quantized ones kept quantized."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+def _read_gguf(path: Path, config: Any, model: nn.Module) -> tuple[dict[str, QuantWeight], dict[str, torch.Tensor]]:
+    """Every tensor of ``path`` placed by transformers' name map: (module name -> packed QuantWeight,
+    parameter name -> float32 tensor)."""
+    from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -71,32 +66,24 @@ def load_gguf_model(path: Path, config: Any) -> nn.Module:
         read_field,
     )
 
-    check_supported(config.model_type)
     reader = _reader(path)
-    with init_empty_weights(include_buffers=False), quiet_transformers():  # rotary tables stay real
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     arch = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
-    tensors: dict[str, Any] = {}
-    for t in reader.tensors:
-        if t.name in names:
-            tensors[names[t.name]] = t
     params = dict(model.named_parameters(remove_duplicate=False))
-    quant: dict[str, QuantWeight] = {}  # module name -> its packed weight
+    tensors = [(names[t.name], t) for t in reader.tensors if t.name in names]
+    quant: dict[str, QuantWeight] = {}
+    floats: dict[str, torch.Tensor] = {}
     with progress(total=len(tensors), desc=f"packing {path.name}", unit="tensor", inner=True) as bar:
-        for hf_name, t in tensors.items():
+        for hf_name, t in tensors:
             type_name = t.tensor_type.name
             check_type(type_name, t.name)
             module_name, _, kind = hf_name.rpartition(".")
             module = model.get_submodule(module_name)
             if type_name in FLOAT_TYPES or not isinstance(module, (nn.Linear, nn.Embedding)) or kind != "weight":
-                from gguf import dequantize
-
                 w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(params[hf_name].shape)
                 w = processor.process(weights=w, name=t.name, tensor_key_mapping={}, parsed_parameters={}).weights
-                value = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
-                module._parameters[kind] = nn.Parameter(value, requires_grad=False)
+                floats[hf_name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
             else:
                 raw = t.data  # [N, row_bytes] uint8, memory-mapped
                 perm = _row_permutation(processor, t.name, raw.shape[0])
@@ -104,24 +91,31 @@ def load_gguf_model(path: Path, config: Any) -> nn.Module:
                     raw = raw[perm]
                 quant[module_name] = QuantWeight.from_gguf(raw, type_name, params[hf_name].shape[1])
             bar.update()
-    for module_name, qw in quant.items():
-        module = model.get_submodule(module_name)
-        if isinstance(module, nn.Embedding):
-            scale = getattr(module, "embed_scale", None)
-            _set_module(model, module_name, QuantEmbedding(qw, module.padding_idx, scale))
-        else:
-            bias = module.bias if module.bias is not None and module.bias.device.type != "meta" else None
-            _set_module(model, module_name, QuantLinear(qw, None if bias is None else bias.detach()))
-    if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.device.type == "meta":  # tied, no output.weight
-        embed = model.model.embed_tokens
-        if isinstance(embed, QuantEmbedding):
-            model.lm_head = QuantLinear(embed.qweight)  # the same packed weight, not a copy
-        else:
-            model.lm_head.weight = embed.weight
-    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if missing:
-        raise ModelNotFoundError(f"'{path}' lacks tensors the {config.model_type} model needs: {', '.join(missing[:5])}")
-    return model.eval().requires_grad_(False)
+    return quant, floats
+
+
+def load_gguf_model(path: Path, cache: Path | None = None) -> nn.Module:
+    """A transformers CausalLM with ``path``'s weights, quantized ones kept quantized. ``cache``: a directory
+    where config, packed and float tensors are kept after the first load; later loads map them instead of
+    parsing the GGUF (its metadata and name map alone take seconds) and decoding its blocks again."""
+    from transformers import AutoConfig
+
+    hit = load_packed(cache) if cache is not None else None
+    if hit is not None:
+        config, quant, floats = hit
+    else:
+        try:
+            with quiet_transformers():
+                config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:
+            raise ModelNotFoundError(f"'{path}' is not a readable GGUF file (truncated or corrupt?): {e}") from e
+    check_supported(config.model_type)  # before any weights are read
+    model = empty_model(config)
+    if hit is None:
+        quant, floats = _read_gguf(path, config, model)
+        if cache is not None:
+            save_packed(cache, config, quant, floats)
+    return assemble(model, quant, floats, str(path))
 
 
 def load_gguf_tokenizer(path: Path, cache_dir: Path) -> Any:

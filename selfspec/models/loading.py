@@ -26,7 +26,9 @@ import torch
 
 from selfspec.config import ModelConfig
 from selfspec.errors import InvalidConfigError, ModelNotFoundError, SelfSpecError
+from selfspec.models import catalog
 from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
+from selfspec.paths import cache_root
 from selfspec.progress import progress, quiet_transformers
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -35,14 +37,6 @@ DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)  # auto: a GGUF keeps its quantized weights (CPU), anything else float32
 SUPPORTED_MODEL_TYPES = SUPPORTED_ARCHITECTURES
-
-
-def cache_root() -> Path:
-    """selfspec's cache directory: $SELFSPEC_CACHE, else $XDG_CACHE_HOME/selfspec or ~/.cache/selfspec."""
-    if os.environ.get("SELFSPEC_CACHE"):
-        return Path(os.environ["SELFSPEC_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "selfspec"
 
 
 def default_gguf_path() -> Path:
@@ -161,6 +155,8 @@ def resolve_model(model: str, gguf_file: str | None = None) -> tuple[str, str | 
     'default' and local GGUF files resolve to their converted safetensors cache (no GGUF name)."""
     if model in ("default", "", None):
         return str(default_model_dir()), None
+    if model in catalog.MODELS:
+        return str(cached_gguf_dir(catalog.ensure(model))), None
     path = Path(model).expanduser()
     if path.is_dir():
         if gguf_file is None:
@@ -193,6 +189,8 @@ def local_gguf(cfg: ModelConfig) -> Path | None:
     """The local GGUF file a config names ('default': the wheel's), else None (safetensors, hub ids)."""
     if cfg.model in ("default", "", None):
         return default_gguf_path()
+    if cfg.model in catalog.MODELS:
+        return catalog.ensure(cfg.model)
     path = Path(cfg.model).expanduser()
     if path.is_dir() and cfg.gguf_file is not None:
         if not (path / cfg.gguf_file).is_file():
@@ -208,20 +206,44 @@ def is_native_quantized(cfg: ModelConfig) -> bool:
     return cfg.dtype == "auto" and torch.device(cfg.device).type == "cpu" and local_gguf(cfg) is not None
 
 
+def _native_key(gguf: Path) -> str:
+    """A cache name for a GGUF's packed weights and tokenizer: its name and a hash of path, size, mtime."""
+    return gguf_cache_dir(gguf).name
+
+
 def _load_native(gguf: Path) -> tuple[Any, Any]:
     from selfspec.models.gguf import load_gguf_model, load_gguf_tokenizer
 
-    config = load_config(str(gguf.parent), gguf.name)
-    check_supported(config.model_type)  # before any weights are read
-    name = DEFAULT_MODEL_NAME if gguf == default_gguf_path() else gguf_cache_dir(gguf).name
     try:
-        model = load_gguf_model(gguf, config)
-        tokenizer = load_gguf_tokenizer(gguf, cache_root() / "tokenizers" / name)
+        model = load_gguf_model(gguf, cache_root() / "packed" / _native_key(gguf))
+        tokenizer = load_gguf_tokenizer(gguf, cache_root() / "tokenizers" / _native_key(gguf))
     except SelfSpecError:
         raise
     except Exception as e:  # a GGUF transformers cannot map, a tokenizer it cannot build
         raise ModelNotFoundError(f"cannot load the GGUF file '{gguf}': {e}") from e
     return model, tokenizer
+
+
+def _quantized(model: Any, cfg: ModelConfig, where: str) -> Any:
+    """``model`` quantized to ``cfg.quantize``, through the packed cache (keyed by source, type, file times)."""
+    from selfspec.quant.convert import quantize_parts
+    from selfspec.quant.store import assemble, empty_model, load_packed, save_packed
+
+    if torch.device(cfg.device).type != "cpu" or model.dtype != torch.float32:
+        raise InvalidConfigError("quantize runs on the CPU in float32 (dtype='auto' or 'float32', device='cpu')")
+    stamp = "".join(f"{p.name}{p.stat().st_mtime_ns}" for p in sorted(Path(where).glob("*.safetensors"))) \
+        if Path(where).is_dir() else ""
+    key = hashlib.sha256(f"{Path(where).resolve() if Path(where).is_dir() else where}\0{stamp}".encode()).hexdigest()[:16]
+    cache = cache_root() / "packed" / f"{Path(where).name}-{cfg.quantize}-{key}"
+    hit = load_packed(cache)
+    if hit is None:
+        quant, floats = quantize_parts(model, cfg.quantize)
+        save_packed(cache, model.config, quant, floats)
+    else:
+        _, quant, floats = hit
+    out = assemble(empty_model(model.config), quant, floats, where)
+    out.generation_config = model.generation_config
+    return out
 
 
 def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
@@ -233,6 +255,9 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got '{cfg.dtype}'")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.quantize and local_gguf(cfg) is not None:
+        raise InvalidConfigError("quantize applies to float models; a GGUF is already quantized (dtype='auto' keeps "
+                                 "its own types, dtype='float32' dequantizes it)")
     if is_native_quantized(cfg):
         model, tokenizer = _load_native(local_gguf(cfg))
         if model.generation_config is not None and model.generation_config.pad_token_id is None:
@@ -251,6 +276,8 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
                          else AutoTokenizer.from_pretrained(where))
     except Exception as e:
         raise ModelNotFoundError(f"cannot load model '{cfg.model}': {e}") from e
+    if cfg.quantize:
+        model = _quantized(model, cfg, where)
     model = model.to(cfg.device).eval().requires_grad_(False)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.eos_token_id
@@ -261,5 +288,7 @@ def model_id_of(cfg: ModelConfig) -> str:
     """A short stable name for results files and bundled heads."""
     if cfg.model in ("default", "", None):
         return DEFAULT_MODEL_NAME
+    if cfg.model in catalog.MODELS:
+        return catalog.MODELS[cfg.model].name
     name = cfg.gguf_file or cfg.model.rstrip("/")
     return Path(name).name.removesuffix(".gguf")

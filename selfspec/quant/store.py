@@ -1,0 +1,117 @@
+"""The packed-weights cache and model assembly shared by every quantized model (a GGUF loaded natively,
+a float model quantized at load).
+
+A cache directory holds ``config.json`` and ``packed.safetensors``: each quantized module's codes, scales
+and offsets (``q.<module>.*``, with its type and shape in the metadata) and every float tensor
+(``f.<parameter>``). Loading maps the file (no decoding, no GGUF parsing); ``assemble`` puts the tensors
+into a meta-device transformers model, quantized modules in place of its Linear / Embedding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from selfspec.errors import ModelNotFoundError
+from selfspec.progress import quiet_transformers
+from selfspec.quant.modules import QuantEmbedding, QuantLinear
+from selfspec.quant.weight import QuantWeight
+
+PACK_VERSION = 1  # bump when the packed layout (selfspec/kernels/quant.cpp) changes: old caches are ignored
+
+
+def _set_module(model: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, _, child = dotted.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def load_packed(cache: Path) -> tuple[Any, dict[str, QuantWeight], dict[str, torch.Tensor]] | None:
+    """(config, packed weights, float tensors) as ``save_packed`` wrote them (memory-mapped), or None when
+    there is no complete cache of this layout."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    if not (cache / "packed.safetensors").is_file() or not (cache / "config.json").is_file():
+        return None
+    quant, floats = {}, {}
+    with safe_open(str(cache / "packed.safetensors"), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("version") != str(PACK_VERSION):
+            return None
+        keys = set(f.keys())
+        for name, (type_name, n, k) in json.loads(meta["modules"]).items():
+            offsets = f.get_tensor(f"q.{name}.offsets") if f"q.{name}.offsets" in keys else torch.empty(0)
+            quant[name] = QuantWeight(type_name, (n, k), f.get_tensor(f"q.{name}.codes"),
+                                      f.get_tensor(f"q.{name}.scales"), offsets)
+        for key in keys:
+            if key.startswith("f."):
+                floats[key[2:]] = f.get_tensor(key)
+    return AutoConfig.from_pretrained(str(cache)), quant, floats
+
+
+def save_packed(cache: Path, config: Any, quant: dict[str, QuantWeight], floats: dict[str, torch.Tensor]) -> None:
+    """Config, packed and float tensors into ``cache``, atomically (a killed load leaves no half cache)."""
+    from safetensors.torch import save_file
+
+    tensors = {f"f.{k}": v for k, v in floats.items()}
+    for name, qw in quant.items():
+        tensors[f"q.{name}.codes"], tensors[f"q.{name}.scales"] = qw.codes, qw.scales
+        if qw.offsets.numel():
+            tensors[f"q.{name}.offsets"] = qw.offsets
+    modules = {name: [qw.type_name, *qw.shape] for name, qw in quant.items()}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{cache.name}."))
+    try:
+        config.save_pretrained(tmp)
+        save_file(tensors, str(tmp / "packed.safetensors"),
+                  metadata={"modules": json.dumps(modules), "version": str(PACK_VERSION)})
+        if cache.exists():
+            shutil.rmtree(cache)
+        os.replace(tmp, cache)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def assemble(model: nn.Module, quant: dict[str, QuantWeight], floats: dict[str, torch.Tensor], source: str) -> nn.Module:
+    """Put the weights into the meta-device model: float parameters, then quantized modules in place of
+    their Linear / Embedding; a tied LM head shares the embedding's weight."""
+    for hf_name, value in floats.items():
+        module_name, _, kind = hf_name.rpartition(".")
+        model.get_submodule(module_name)._parameters[kind] = nn.Parameter(value, requires_grad=False)
+    for module_name, qw in quant.items():
+        module = model.get_submodule(module_name)
+        if isinstance(module, nn.Embedding):
+            scale = getattr(module, "embed_scale", None)
+            _set_module(model, module_name, QuantEmbedding(qw, module.padding_idx, scale))
+        else:
+            bias = module.bias if module.bias is not None and module.bias.device.type != "meta" else None
+            _set_module(model, module_name, QuantLinear(qw, None if bias is None else bias.detach()))
+    if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.device.type == "meta":  # tied, no output.weight
+        embed = model.model.embed_tokens
+        if isinstance(embed, QuantEmbedding):
+            model.lm_head = QuantLinear(embed.qweight)  # the same packed weight, not a copy
+        else:
+            model.lm_head.weight = embed.weight
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ModelNotFoundError(f"'{source}' lacks tensors the {model.config.model_type} model needs: "
+                                 f"{', '.join(missing[:5])}")
+    return model.eval().requires_grad_(False)
+
+
+def empty_model(config: Any) -> nn.Module:
+    """transformers' model for ``config`` with its parameters on the meta device (nothing allocated;
+    buffers such as rotary tables are real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False), quiet_transformers():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")

@@ -1,0 +1,129 @@
+"""Quantized models are lossless: the engine over block-quantized weights gives transformers' greedy
+output on the same (dequantized) weights, for every block type, every architecture, chains and trees;
+a GGUF loaded natively is the float32 conversion's model token for token; bad files get clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import ARCHS, LAYERS, VOCAB, hf_greedy, tiny_config, tiny_model
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from test_quant import random_tensor
+
+from selfspec import DraftConfig, SelfSpec
+from selfspec.config import ModelConfig
+from selfspec.errors import InvalidConfigError, ModelNotFoundError
+from selfspec.quant.convert import QUANTIZE_TYPES, quantize_model
+from selfspec.quant.modules import QuantEmbedding, QuantLinear
+from selfspec.quant.store import assemble, empty_model
+from selfspec.quant.weight import QuantWeight
+
+NEW = 20
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (n,), generator=g).tolist()
+
+
+def k_quant_model(type_name: str):
+    """A tiny Llama whose matrices (K a multiple of 256) are random blocks of a K-quant type."""
+    from transformers import LlamaConfig
+
+    cfg = tiny_config("llama").to_dict()
+    cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    config = LlamaConfig(**cfg)
+    quant, floats = {}, {}
+    for i, (name, p) in enumerate(empty_model(config).named_parameters()):
+        module, _, kind = name.rpartition(".")
+        if kind == "weight" and p.dim() == 2 and p.shape[1] % 256 == 0:
+            raw = random_tensor(type_name, p.shape[0], p.shape[1], seed=i)
+            blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1])
+            d = (np.random.default_rng(i).standard_normal((len(blocks), 2)) * 5e-5).astype(np.float16)
+            if type_name == "Q6_K":
+                blocks[:, 208:210] = d[:, :1].view(np.uint8)  # d
+            else:
+                blocks[:, 0:4] = d.view(np.uint8)  # d, dmin
+            quant[module] = QuantWeight.from_gguf(raw, type_name, p.shape[1])
+        else:
+            floats[name] = torch.ones(p.shape) if "norm" in name else torch.randn(p.shape) * 0.2
+    model = assemble(empty_model(config), quant, floats, "random blocks")
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    return model
+
+
+def check_lossless(model, trees: bool = True) -> None:
+    ss = SelfSpec(model, None)
+    assert ss.split.kernel == "selfspec-quant"
+    prompt = prompt_of(9, 1)
+    ref = hf_greedy(model, prompt, NEW)  # transformers' forward over the dequantized weights
+    assert ss.generate(prompt, method="plain", max_new_tokens=NEW).token_ids == ref
+    for k in (1, LAYERS - 1):
+        for gamma, tree in ((3, 0), (5, 3 if trees else 0)):
+            ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=gamma, policy="fixed", tree_width=tree))
+            assert ss.generate(prompt, max_new_tokens=NEW).token_ids == ref, (k, gamma, tree)
+
+
+@pytest.mark.parametrize("type_name", QUANTIZE_TYPES)
+def test_every_legacy_type_is_lossless(type_name, one_thread):
+    model = quantize_model(tiny_model("llama"), type_name)
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    check_lossless(model)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_every_k_quant_is_lossless(type_name, one_thread):
+    model = k_quant_model(type_name)
+    assert model.model.layers[1].mlp.down_proj.qweight.type_name == type_name
+    check_lossless(model, trees=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_quantized_is_lossless(arch, one_thread):
+    check_lossless(quantize_model(tiny_model(arch), "Q4_0" if arch != "phi3" else "Q8_0"))
+
+
+def test_quantize_at_load_is_cached_and_refuses_a_gguf(tmp_path, monkeypatch, one_thread):
+    from conftest import tiny_tokenizer
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    tiny_model("qwen2").save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    ss = SelfSpec.load(ModelConfig(model=str(tmp_path / "m"), quantize="Q5_1"), DraftConfig(head="lm", tune="off"))
+    assert ss.model.model.layers[0].self_attn.q_proj.qweight.type_name == "Q5_1"
+    assert list((tmp_path / "cache" / "packed").glob("*/packed.safetensors"))
+    again = SelfSpec.load(ModelConfig(model=str(tmp_path / "m"), quantize="Q5_1"), DraftConfig(head="lm", tune="off"))
+    w = ss.model.model.layers[2].mlp.up_proj.weight
+    assert torch.equal(again.model.model.layers[2].mlp.up_proj.weight, w)  # from the cache, the same values
+    prompt = prompt_of(7, 2)
+    assert again.generate(prompt, max_new_tokens=NEW).token_ids == hf_greedy(again.model, prompt, NEW, again.eos_token_ids)
+    with pytest.raises(InvalidConfigError, match="already quantized"):
+        SelfSpec.load(ModelConfig(quantize="Q4_0"))
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path):
+    from selfspec.models.loading import default_gguf_path
+
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(default_gguf_path().read_bytes()[:1_000_000])
+    with pytest.raises(ModelNotFoundError, match="cut.gguf"):
+        SelfSpec.load(str(bad))
+
+
+@pytest.mark.slow
+def test_default_gguf_native_equals_float32_conversion(default_ss):
+    """The real model, loaded natively (the default), against transformers' generate on the float32
+    conversion of the same file (a separate float32 model): the same tokens, with the bundled head."""
+    from selfspec.models.loading import load_model
+
+    assert default_ss.split.kernel == "selfspec-quant"
+    ref_model, _ = load_model(ModelConfig(dtype="float32"))
+    assert torch.equal(ref_model.model.layers[5].self_attn.k_proj.weight,
+                       default_ss.model.model.layers[5].self_attn.k_proj.qweight.dense())  # Llama's q/k row order
+    for text in ("Tell me about volcanoes.", "Write a haiku about the sea."):
+        ids = default_ss.encode([{"role": "user", "content": text}])
+        ref = hf_greedy(ref_model, ids, 32, default_ss.eos_token_ids)
+        assert default_ss.generate(ids, max_new_tokens=32).token_ids == ref
+        assert default_ss.generate(ids, max_new_tokens=32, method="plain").token_ids == ref
