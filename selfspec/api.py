@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from selfspec.batch.scheduler import BatchConfig, TextScheduler
@@ -51,17 +52,20 @@ class SelfSpec:
         self.eos_token_ids = self._model_eos_ids()
         self.draft_config = DraftConfig()
         self.engine = Engine(self.split)
+        self.source_gguf: Path | None = None  # the GGUF file the model came from (llama.cpp peers run it), if any
         self.pipeline: Any = None  # a PipelineService (use_pipeline): schedulers send 'selfspec' requests through it
         self.set_draft(draft or DraftConfig())
 
     @classmethod
     def load(cls, model: str | ModelConfig = "default", draft: DraftConfig | None = None, **kw: Any) -> SelfSpec:
         """Load a target model (see ModelConfig) and set up its draft (see DraftConfig)."""
-        from selfspec.models.loading import load_model, model_id_of
+        from selfspec.models.loading import load_model, local_gguf, model_id_of
 
         mcfg = model if isinstance(model, ModelConfig) else ModelConfig(model=model, **kw)
         hf_model, tokenizer = load_model(mcfg)
-        return cls(hf_model, tokenizer, draft, model_id=model_id_of(mcfg), backend=mcfg.backend)
+        ss = cls(hf_model, tokenizer, draft, model_id=model_id_of(mcfg), backend=mcfg.backend)
+        ss.source_gguf = local_gguf(mcfg)
+        return ss
 
     # ---- draft setup ----------------------------------------------------------------
     def make_head(self, draft: DraftConfig) -> ExitHead:

@@ -127,3 +127,27 @@ def test_default_gguf_native_equals_float32_conversion(default_ss):
         ref = hf_greedy(ref_model, ids, 32, default_ss.eos_token_ids)
         assert default_ss.generate(ids, max_new_tokens=32).token_ids == ref
         assert default_ss.generate(ids, max_new_tokens=32, method="plain").token_ids == ref
+
+
+def test_bench_forward_reports_the_quantized_path(tmp_path, one_thread):
+    import json
+    from pathlib import Path
+
+    from selfspec.bench.forward import ForwardBenchConfig, format_tables, run
+
+    float_ss = SelfSpec(tiny_model("llama"), None, DraftConfig(gamma=2))
+    ss = SelfSpec(quantize_model(tiny_model("llama"), "Q4_0"), None, DraftConfig(gamma=2))
+    cfg = ForwardBenchConfig(block_sizes=[1, 4], contexts=[8], reps=1, bandwidth_mb=8, backends=["fast"],
+                             out=str(tmp_path / "fwd.json"), plot="")
+    res = run(ModelConfig(), cfg, ss=ss)
+    saved = json.loads(Path(cfg.out).read_text())
+    assert saved["kernels"] == {"fast": "selfspec-quant"}
+    # Q4_0 packs 4-bit codes plus a float32 scale per 32 weights: fewer bytes than float32's 4 per weight
+    float_bytes = run(ModelConfig(), cfg, ss=float_ss)["bytes"]["full"]
+    assert 0 < saved["bytes"]["full"] < float_bytes / 4
+    assert saved["memory"]["rss_after_load_mb"] > 0
+    assert all(f["gflops"] > 0 for f in saved["figures"])
+    kf = saved["quantized_kernels"]
+    assert {f["type"] for f in kf} == {"Q4_0"} and {f["n"] for f in kf} == {1, 4}
+    assert all(f["ms"] > 0 and f["gbps"] > 0 and f["gflops"] > 0 for f in kf)
+    assert "quantized kernels" in format_tables(res) and "resident memory after load" in format_tables(res)

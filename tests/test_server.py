@@ -502,8 +502,10 @@ def test_graceful_shutdown_finishes_short_and_cancels_long_requests(ss, server):
     out: dict[str, object] = {}
 
     def short() -> None:
-        out["short"] = stream_text(c.completions.create(model=model_of(ss), prompt=PROMPT, max_tokens=4,
-                                                        temperature=0, stream=True), chat=False)[0]
+        # long enough to be seen running (4 tokens took ~30 ms on the quantized engine: the 50 ms poll missed it)
+        out["short"] = stream_text(c.completions.create(model=model_of(ss), prompt=PROMPT, max_tokens=32,
+                                                        temperature=0, stream=True, extra_body={"ignore_eos": True}),
+                                   chat=False)[0]
 
     def long() -> None:
         try:
@@ -525,7 +527,7 @@ def test_graceful_shutdown_finishes_short_and_cancels_long_requests(ss, server):
         t.join(60)
     srv.stop()
     assert not srv.thread.is_alive() and time.perf_counter() - t0 < 30
-    assert out["short"] == ss.generate(PROMPT, max_new_tokens=4, temperature=0.0).text
+    assert out["short"] == ss.generate(PROMPT, max_new_tokens=32, temperature=0.0, ignore_eos=True).text
     assert isinstance(out["long"], openai.APIError) and "shutting down" in str(out["long"])
     assert not srv.app.state.selfspec.worker.alive
     with pytest.raises(httpx.ConnectError):

@@ -125,7 +125,7 @@ def test_a_real_gguf_file_loads_through_its_cache_quietly(tmp_path, monkeypatch,
     write_tiny_gguf(gguf)
     draft = DraftConfig(exit_layer=2, head="lm")
     capsys.readouterr()
-    ss = SelfSpec.load(str(gguf), draft)
+    ss = SelfSpec.load(ModelConfig(model=str(gguf), dtype="float32"), draft)  # the float32 conversion
     assert capsys.readouterr().err == ""  # not a terminal: no bars at all, transformers' included
     assert ss.model_id == "tiny-llama"
     assert (loading.gguf_cache_dir(gguf) / "model.safetensors").is_file()
@@ -139,6 +139,9 @@ def test_a_real_gguf_file_loads_through_its_cache_quietly(tmp_path, monkeypatch,
     monkeypatch.setattr(loading, "convert_gguf", no_conversion)
     again = SelfSpec.load(ModelConfig(model=str(tmp_path), gguf_file=gguf.name, dtype="bfloat16"), draft)
     assert again.model.dtype == torch.bfloat16  # the float32 cache, loaded in the requested dtype
+    native = SelfSpec.load(str(gguf), draft)  # dtype 'auto': loaded natively (this file's tensors are F32)
+    assert capsys.readouterr().err == ""
+    torch.testing.assert_close(native.model(ids).logits, tiny_model("llama")(ids).logits)
 
 
 def test_gguf_architecture_is_checked_before_converting(tmp_path, fake_conversion):

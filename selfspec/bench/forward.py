@@ -73,7 +73,62 @@ def measure_bandwidth(mb: int = 256, reps: int = 10) -> float:
 
 @torch.inference_mode()
 def _param_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of the weights a forward through ``module`` reads: its parameters and, for block-quantized
+    modules, their packed codes, scales and offsets (each shared weight once)."""
+    seen: set[int] = set()
+    total = 0
+    for m in module.modules():
+        qw = getattr(m, "qweight", None)
+        if qw is not None and id(qw) not in seen:
+            seen.add(id(qw))
+            total += qw.nbytes
+    return total + sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _matrix_weights(module: torch.nn.Module) -> int:
+    """Weights (elements) of the matrices a forward multiplies with: 2 * n * this = its FLOPs at n rows."""
+    total = 0
+    for m in module.modules():
+        qw = getattr(m, "qweight", None)
+        if qw is not None:
+            total += qw.shape[0] * qw.shape[1]
+        elif isinstance(m, torch.nn.Linear):
+            total += m.weight.numel()
+    return total
+
+
+def resident_mb() -> float:
+    """This process's resident memory (VmRSS) in MB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+@torch.inference_mode()
+def kernel_figures(ss: SelfSpec, sizes: list[int], reps: int, bandwidth: float) -> list[dict]:
+    """Per block-quantized type in the model, its largest matrix through the kernel at each n: ms, GB/s of its
+    packed bytes, GFLOP/s."""
+    from selfspec.costs import time_call
+
+    biggest: dict[str, Any] = {}
+    for m in ss.model.modules():
+        qw = getattr(m, "qweight", None)
+        if qw is not None and qw.nbytes > getattr(biggest.get(qw.type_name), "nbytes", 0):
+            biggest[qw.type_name] = qw
+    out = []
+    for type_name, qw in sorted(biggest.items()):
+        for n in sizes:
+            x = torch.randn(n, qw.shape[1])
+            y = torch.empty(n, qw.shape[0])
+            t = time_call(lambda qw=qw, x=x, y=y: qw.matmul(x, y), reps)
+            out.append({"type": type_name, "shape": list(qw.shape), "n": n, "ms": t * 1e3, "bytes": qw.nbytes,
+                        "gbps": qw.nbytes / t / GB, "bandwidth_fraction": qw.nbytes / t / GB / bandwidth,
+                        "gflops": 2 * n * qw.shape[0] * qw.shape[1] / t / 1e9})
+    return out
 
 
 def range_bytes(split: SplitModel, head, exit_layer: int) -> dict[str, int]:
@@ -81,18 +136,25 @@ def range_bytes(split: SplitModel, head, exit_layer: int) -> dict[str, int]:
     weight for full / deep (tied or not); for the head, its own parameters plus the LM head rows it
     computes (the trimmed vocabulary if any) and, for the 'lm' head, the target's final norm."""
     layers = [_param_bytes(layer) for layer in split.layers]
-    top = _param_bytes(split.norm) + _param_bytes(split.lm_head)
+    lm = _param_bytes(split.lm_head)
+    top = _param_bytes(split.norm) + lm
     k, L = exit_layer, split.num_layers
-    w = split.lm_head.weight
     rows = len(head.vocab_ids) or split.vocab_size
-    head_bytes = _param_bytes(head) + rows * w.shape[1] * w.element_size()
-    bias = getattr(split.lm_head, "bias", None)
-    if bias is not None:
-        head_bytes += rows * bias.element_size()
+    head_bytes = _param_bytes(head) + lm * rows // split.vocab_size
     if head.kind == "lm":
         head_bytes += _param_bytes(split.norm)
     return {"full": sum(layers) + top, "shallow": sum(layers[:k]), "deep": sum(layers[k:L]) + top,
             "head": head_bytes}
+
+
+def range_weights(split: SplitModel, head, exit_layer: int) -> dict[str, int]:
+    """Matrix weights each range multiplies with (for GFLOP/s), counted like ``range_bytes``."""
+    layers = [_matrix_weights(layer) for layer in split.layers]
+    lm = split.vocab_size * split.hidden_size
+    rows = len(head.vocab_ids) or split.vocab_size
+    k, L = exit_layer, split.num_layers
+    return {"full": sum(layers) + lm, "shallow": sum(layers[:k]), "deep": sum(layers[k:L]) + lm,
+            "head": _matrix_weights(head) + rows * split.hidden_size}
 
 
 def default_exit_layer(ss: SelfSpec) -> int:
@@ -147,11 +209,13 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
 
         # a fixed gamma: the bench needs the head, not the draft-cost measurement of gamma=None
         ss = SelfSpec.load(replace(model_cfg, backend=cfg.backends[0]), DraftConfig(exit_layer=cfg.exit_layer, gamma=4))
+    rss_after_load = resident_mb()  # before a reference backend dequantizes anything
     L = ss.split.num_layers
     k = cfg.exit_layer if cfg.exit_layer is not None else default_exit_layer(ss)
     head = ss.head if ss.head.exit_layer == k else ss.make_head(DraftConfig(exit_layer=k))
     splits = {b: ss.split if ss.split.backend == b else SplitModel(ss.model, b) for b in cfg.backends}
     nbytes = range_bytes(ss.split, head, k)
+    nweights = range_weights(ss.split, head, k)
     machine = machine_info()
     bandwidth = measure_bandwidth(cfg.bandwidth_mb)
     dtype = str(ss.split.dtype).removeprefix("torch.")
@@ -190,6 +254,7 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
                         "table_context": c, "range": name,
                         "layers": None if start is None else [start, end], "lm_head": lm, "n": n,
                         "ms": t * 1e3, "ratio": t / t1, "bytes": nbytes[name], "gbps": gbps,
+                        "gflops": 2 * n * nweights[name] / t / 1e9,
                         "bandwidth_fraction": gbps / bandwidth, "floor_ms": nbytes[name] / (bandwidth * GB) * 1e3,
                         "exit_layer": k, "dtype": dtype, "threads": threads, "cpu": machine["cpu"],
                         "torch": torch.__version__,
@@ -200,6 +265,9 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
                        "vocab_size": ss.split.vocab_size, "dtype": dtype,
                        "parameters": sum(p.numel() for p in ss.model.parameters())},
         "kernels": {b: s.kernel for b, s in splits.items()}, "block_sizes": sizes,
+        "memory": {"rss_after_load_mb": rss_after_load, "weights_mb": nbytes["full"] / 2**20,
+                   "gguf_mb": ss.source_gguf.stat().st_size / 2**20 if ss.source_gguf else None},
+        "quantized_kernels": kernel_figures(ss, sizes, cfg.reps, bandwidth) if ss.split.quantized else [],
         "machine": {**machine, "threads": threads, "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "bandwidth_gbps": bandwidth, "bandwidth_mb": cfg.bandwidth_mb, "bytes": nbytes,
@@ -234,13 +302,29 @@ def format_tables(result: dict) -> str:
         cells = {(f["backend"], f["range"], f["n"]): f for f in figs}
         rows = list(dict.fromkeys((f["backend"], f["range"]) for f in figs))
         head = "| backend | range | " + " | ".join(f"n={n} ms (ratio)" for n in sizes) + \
-               " | GB/s n=1 | % of bw | floor ms |"
-        lines = [f"\ncontext {c}:", "", head, "|" + "---|" * (len(sizes) + 5)]
+               f" | GB/s n=1 | % of bw | floor ms | GFLOP/s n={sizes[-1]} |"
+        lines = [f"\ncontext {c}:", "", head, "|" + "---|" * (len(sizes) + 6)]
         for b, r in rows:
             one = cells[b, r, 1]
             vals = " | ".join(f"{cells[b, r, n]['ms']:.2f} ({cells[b, r, n]['ratio']:.2f})" for n in sizes)
             lines.append(f"| {b} | {r} | {vals} | {one['gbps']:.1f} | {100 * one['bandwidth_fraction']:.0f}% "
-                         f"| {one['floor_ms']:.2f} |")
+                         f"| {one['floor_ms']:.2f} | {cells[b, r, sizes[-1]].get('gflops', float('nan')):.0f} |")
+        parts.append("\n".join(lines))
+    mem = result.get("memory")
+    if mem:
+        gguf = f", GGUF file {mem['gguf_mb']:.0f} MB" if mem.get("gguf_mb") else ""
+        parts.append(f"\nresident memory after load: {mem['rss_after_load_mb']:.0f} MB; weights read per step "
+                     f"{mem['weights_mb']:.0f} MB{gguf}")
+    kf = result.get("quantized_kernels") or []
+    if kf:
+        lines = ["\nquantized kernels (each type's largest matrix):", "",
+                 "| type | shape | " + " | ".join(f"n={n} ms / GB/s / GFLOP/s" for n in sizes) + " |",
+                 "|" + "---|" * (len(sizes) + 2)]
+        for t in dict.fromkeys(f["type"] for f in kf):
+            cell = {f["n"]: f for f in kf if f["type"] == t}
+            shape = "x".join(map(str, cell[sizes[0]]["shape"]))
+            lines.append(f"| {t} | {shape} | " + " | ".join(
+                f"{cell[n]['ms']:.3f} / {cell[n]['gbps']:.1f} / {cell[n]['gflops']:.0f}" for n in sizes) + " |")
         parts.append("\n".join(lines))
     return "\n".join(parts)
 

@@ -21,6 +21,8 @@ Spec strings (``--methods``, repeatable or comma-separated):
                                         keys: any DraftConfig (specee_threshold, specee_window, ...) over
                                         DraftConfig()'s defaults (the bundled head and its predictors)
     specee[:KEY=VALUE,...]              LOSSY SpecEE (a token stops where its predictor fires); same keys
+    llama-cpp[:spec=ngram]              llama.cpp's llama-server on the same GGUF file and threads (selfspec.bench.
+                                        llamacpp; `make llama-cpp` builds it); spec=ngram: its n-gram speculation
     NAME=SPEC                           any of the above, recorded under NAME
 
 POLICY is any drafting policy of DraftConfig (fixed, confidence, ...); without one, ``fixed``.
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
 
 HF_KINDS = ("hf", "hf-prompt-lookup", "hf-early-exit")
 SPECEE_KINDS = ("specee-verified", "specee")
-KINDS = (*HF_KINDS, "plain", "selfspec", *SPECEE_KINDS)
+KINDS = (*HF_KINDS, "plain", "selfspec", *SPECEE_KINDS, "llama-cpp")
 
 
 def policies() -> list[str]:
@@ -197,6 +199,17 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
         name = alias or (base if "exit_layer" not in rest else f"{base}-k{layer}")
         return Method(name, base, spec, options={"assistant_early_exit": layer},
                       info={"exit_layer": layer, "num_layers": ss.split.num_layers})
+    if base == "llama-cpp":
+        from selfspec.bench import llamacpp
+
+        spec_type = kv.pop("spec", "none")
+        _no_more(kv, spec)
+        if ss.source_gguf is None:
+            raise InvalidConfigError(f"method '{spec}' runs llama.cpp on the model's GGUF file; this model has none")
+        return Method(alias or ("llama-cpp" if spec_type == "none" else f"llama-cpp-{spec_type}"), base, spec,
+                      options={"spec": spec_type},
+                      info={"gguf": str(ss.source_gguf), "threads": torch.get_num_threads(),
+                            "binary": str(llamacpp.server_binary()), "flags": llamacpp.SPEC_ARGS[spec_type]})
     draft = DraftConfig(exit_layer=k, head="lm", gamma=cfg.gamma, policy="fixed", threshold=cfg.threshold)
     if base in SPECEE_KINDS:
         values = {key: _convert(key, v) for key, v in kv.items()}
@@ -291,6 +304,14 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) 
     """Generate greedily for one turn and time it (prefill included, tokenization excluded)."""
     if method.kind in HF_KINDS:
         return _run_hf(ss, ids, max_new_tokens, method.options)
+    if method.kind == "llama-cpp":
+        from selfspec.bench import llamacpp
+
+        tokens, wall, timings = llamacpp.generate(ss.source_gguf, torch.get_num_threads(), method.options["spec"],
+                                                  ids, max_new_tokens, ss.eos_token_ids)
+        drafted = timings.get("draft_n")
+        return TurnResult(tokens, wall, max(0, len(tokens) - 1), [], drafted, len(ids),
+                          rounds={"llama_cpp_timings": timings})
     gen = GenerateConfig(max_new_tokens=max_new_tokens, ignore_eos=False)
     if method.kind in ("selfspec", *SPECEE_KINDS):
         ss.set_draft(method.draft)  # untimed; an adaptive policy starts afresh each turn

@@ -298,6 +298,9 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
                                        cfg.baseline, cfg.near_tie, known)
             _write_json(div_path, divs)
     finally:
+        from selfspec.bench import llamacpp
+
+        llamacpp.stop_all()
         hf_logging.set_verbosity(verbosity)
     manifest["sessions"][-1]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     _write_json(run / "manifest.json", manifest)
