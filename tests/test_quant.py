@@ -87,3 +87,20 @@ def test_unsupported_type_names_the_supported_ones():
     with pytest.raises(UnsupportedQuantError, match="Q2_K.*supported: Q4_0, Q4_1"):
         check_type("Q2_K", "blk.0.ffn_down.weight")
     assert set(FORMATS) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+
+
+@pytest.mark.slow
+def test_avx2_variant_matches_too(tmp_path):
+    """The AVX2 build of the kernels (what a CPU without AVX-512 runs) passes the same checks; on an AVX2-only
+    machine this builds the same variant the suite already used."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "SELFSPEC_ISA": "avx2"}
+    here = Path(__file__).parent
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(here / "test_quant.py"),
+                        "-k", "not avx2"], env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout

@@ -151,3 +151,12 @@ def test_bench_forward_reports_the_quantized_path(tmp_path, one_thread):
     assert {f["type"] for f in kf} == {"Q4_0"} and {f["n"] for f in kf} == {1, 4}
     assert all(f["ms"] > 0 and f["gbps"] > 0 and f["gflops"] > 0 for f in kf)
     assert "quantized kernels" in format_tables(res) and "resident memory after load" in format_tables(res)
+
+
+def test_no_kernels_is_a_clear_error_not_a_slow_path(monkeypatch):
+    from selfspec.kernels import linear
+
+    model = quantize_model(tiny_model("llama"), "Q8_0")
+    monkeypatch.setattr(linear, "cpu_extension", lambda: None)
+    with pytest.raises(linear.KernelUnavailableError, match="dtype='float32'"):
+        SelfSpec(model, None)

@@ -85,6 +85,7 @@ class TurnResult:
     prompt_tokens: int = 0
     specee: dict[str, Any] | None = None  # SpecEE kinds: exit layers, predictor checks and time, exit agreement
     rounds: dict[str, Any] | None = None  # selfspec kinds: {"lookup": steps drafted by lookup, "depths": {depth: rounds}}
+    peer: dict[str, Any] | None = None  # llama-cpp: the server's own timings (prompt / predicted ms, drafts)
 
     @property
     def new_tokens(self) -> int:
@@ -310,8 +311,7 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) 
         tokens, wall, timings = llamacpp.generate(ss.source_gguf, torch.get_num_threads(), method.options["spec"],
                                                   ids, max_new_tokens, ss.eos_token_ids)
         drafted = timings.get("draft_n")
-        return TurnResult(tokens, wall, max(0, len(tokens) - 1), [], drafted, len(ids),
-                          rounds={"llama_cpp_timings": timings})
+        return TurnResult(tokens, wall, max(0, len(tokens) - 1), [], drafted, len(ids), peer=timings)
     gen = GenerateConfig(max_new_tokens=max_new_tokens, ignore_eos=False)
     if method.kind in ("selfspec", *SPECEE_KINDS):
         ss.set_draft(method.draft)  # untimed; an adaptive policy starts afresh each turn

@@ -10,6 +10,8 @@ and reaches it. Paths, by device and dtype:
                               into the cache directory; weights packed [N/8, K, 8]
     cpu float32, 17-64 rows   the same kernel, 16 rows per call (a batch's verification blocks)
     cpu float32, rows > 64    torch F.linear on the original weights (MKL sgemm: prefill is compute-bound)
+    block-quantized (GGUF)    selfspec-quant: quant.cpp for every row count, 16 rows per call (docs/QUANTIZED.md);
+                              no fallback: without the compiled kernels a clear error, not a slow path
     cpu bfloat16              oneDNN with the weight reordered once (``torch.ops.mkldnn``) on CPUs with
                               native bf16 support (AVX-512 BF16 / AMX / AVX-NE-CONVERT), else F.linear
     cuda / other              F.linear (cuBLAS is left alone)
@@ -163,16 +165,22 @@ def _quant_segments(ws: list[torch.Tensor | QuantWeight]) -> list[tuple[Any, int
             "quantized weights need selfspec's CPU kernels, which could not be built here (a C++ compiler and "
             "ninja are needed); load the model with dtype='float32' to run it dequantized instead"
         )
+    runs: list[list[Any]] = []  # consecutive parts computed by one call
+    for w in ws:
+        prev = runs[-1][-1] if runs else None
+        if (isinstance(w, QuantWeight) and isinstance(prev, QuantWeight) and prev.type_name == w.type_name
+                and prev.shape[0] % 16 == 0 and w.shape[0] % 16 == 0):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
     segs: list[tuple[Any, int, int]] = []
     start = 0
-    for w in ws:
-        end = start + w.shape[0]
-        prev = segs[-1] if segs else None
-        if (isinstance(w, QuantWeight) and prev is not None and isinstance(prev[0], QuantWeight)
-                and prev[0].type_name == w.type_name and prev[0].shape[0] % 16 == 0 and w.shape[0] % 16 == 0):
-            segs[-1] = (QuantWeight.concat([prev[0], w]), prev[1], end)
+    for run in runs:
+        end = start + sum(w.shape[0] for w in run)
+        if isinstance(run[0], QuantWeight):
+            segs.append((QuantWeight.concat(run) if len(run) > 1 else run[0], start, end))
         else:
-            segs.append((w if isinstance(w, QuantWeight) else PackedLinear([(w.float(), None)]), start, end))
+            segs.append((PackedLinear([(run[0].float(), None)]), start, end))
         start = end
     return segs
 

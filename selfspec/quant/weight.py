@@ -144,10 +144,19 @@ class QuantWeight:
 
     @staticmethod
     def concat(parts: list[QuantWeight]) -> QuantWeight:
-        """Several weights of one type and K, each N a multiple of 16, as one (fused q/k/v, gate/up)."""
+        """Several weights of one type and K, each N a multiple of 16, as one (fused q/k/v, gate/up). The parts
+        are re-pointed at slices of the fused tensors, so the model holds one copy, not two."""
         first = parts[0]
         if any(p.type_name != first.type_name or p.shape[1] != first.shape[1] or p.shape[0] % LANES for p in parts):
             raise ValueError("concat needs one type, one K and row counts that are multiples of 16")
-        return QuantWeight(first.type_name, (sum(p.shape[0] for p in parts), first.shape[1]),
-                           torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                           torch.cat([p.offsets for p in parts]) if first.offsets.numel() else torch.empty(0))
+        fused = QuantWeight(first.type_name, (sum(p.shape[0] for p in parts), first.shape[1]),
+                            torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                            torch.cat([p.offsets for p in parts]) if first.offsets.numel() else torch.empty(0))
+        start = 0
+        for p in parts:
+            end = start + p.shape[0] // LANES
+            p.codes, p.scales = fused.codes[start:end], fused.scales[start:end]
+            if p.offsets.numel():
+                p.offsets = fused.offsets[start:end]
+            start = end
+        return fused
