@@ -22,6 +22,7 @@ import torch
 from selfspec.kernels.build import cpu_extension
 from selfspec.quant.formats import FORMATS, Format, decode
 
+_NO_BIAS = torch.empty(0)
 LANES = 16  # output rows per packed block (one vector register of float32 on AVX-512)
 KERNEL_ROWS = 16  # x-rows per kernel call: the kernel keeps one accumulator per x-row and lane vector
 
@@ -95,7 +96,9 @@ class QuantWeight:
         """``out`` ``# [M, >= N]`` (a column slice of a wider output is fine) = or += ``x`` ``# [M, K]`` @ W^T
         (+ bias), 16 rows of x per kernel call."""
         ext = cpu_extension()
-        b = bias if bias is not None else x.new_empty(0)
+        b = bias if bias is not None else _NO_BIAS
+        if x.shape[0] <= KERNEL_ROWS:  # a decoding step: no slicing (each slice is an op on the hot path)
+            return ext.qlinear(x, *self._args(), b, out, accumulate)
         for s in range(0, x.shape[0], KERNEL_ROWS):
             e = min(x.shape[0], s + KERNEL_ROWS)
             ext.qlinear(x[s:e], *self._args(), b, out[s:e], accumulate)
