@@ -35,17 +35,17 @@
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));    // 16 floats: one AVX-512 register, two AVX2 ones
-typedef int32_t vi __attribute__((vector_size(64)));  // 16 int32
 constexpr int L = 16;  // output rows per block
-
 #if defined(__AVX512F__)
-constexpr int MCMAX = 8;  // x-rows per tile (16 measured slower: 16 row pointers spill)
+constexpr int VL = 16;     // lanes per vector: a block's 16 rows are one register
+constexpr int MCMAX = 8;   // x-rows per tile (16 measured slower: 16 row pointers spill)
 #else
-constexpr int MCMAX = 4;  // AVX2: 8 of the 16 registers
+constexpr int VL = 8;      // AVX2: a block's 16 rows are two registers (halves h = 0, 1)
+constexpr int MCMAX = 4;
 #endif
-
-const vi LANE_BIT = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+constexpr int NV = L / VL;  // vectors per block row
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 inline vf loadf(const float* p) {
   vf v;
@@ -57,11 +57,7 @@ inline vf bcast(float v) {  // (vf{} + v would add a zero: -0.0 + 0.0 is +0.0, s
 #if defined(__AVX512F__)
   return (vf)_mm512_set1_ps(v);
 #else
-  const __m256 h = _mm256_set1_ps(v);
-  vf r;
-  std::memcpy(&r, &h, 32);
-  std::memcpy((char*)&r + 32, &h, 32);
-  return r;
+  return (vf)_mm256_set1_ps(v);
 #endif
 }
 
@@ -69,39 +65,30 @@ inline vf fma(vf a, vf b, vf c) {  // a * b + c, rounded once
 #if defined(__AVX512F__)
   return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #else
-  __m256 a2[2], b2[2], c2[2];
-  std::memcpy(a2, &a, 64);
-  std::memcpy(b2, &b, 64);
-  std::memcpy(c2, &c, 64);
-  c2[0] = _mm256_fmadd_ps(a2[0], b2[0], c2[0]);
-  c2[1] = _mm256_fmadd_ps(a2[1], b2[1], c2[1]);
-  std::memcpy(&c, c2, 64);
-  return c;
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #endif
 }
 
-inline vi widen(const uint8_t* p) {  // 16 bytes -> 16 int32 (vpmovzxbd; GCC's generic conversion inserts bytewise)
+inline vi widen(const uint8_t* p) {  // VL bytes -> VL int32 (vpmovzxbd; GCC's generic conversion inserts bytewise)
 #if defined(__AVX512F__)
   return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
 #else
-  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
-  vi v;
-  std::memcpy(&v, &lo, 32);
-  std::memcpy((char*)&v + 32, &hi, 32);
-  return v;
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
 #endif
 }
 
-// q plus ``add`` in the lanes whose bit is set in the 16-bit plane of column k (one masked add on AVX-512).
-inline vi add_plane(vi q, const uint8_t* planes, int k, int32_t add) {
+// q plus ``add`` in the lanes (of half h) whose bit is set in the 16-bit plane of column k (one masked add
+// on AVX-512).
+inline vi add_plane(vi q, const uint8_t* planes, int k, int h, int32_t add) {
   uint16_t bits;
   std::memcpy(&bits, planes + 2 * k, 2);
 #if defined(__AVX512F__)
+  (void)h;
   return (vi)_mm512_mask_add_epi32((__m512i)q, (__mmask16)bits, (__m512i)q, _mm512_set1_epi32(add));
 #else
-  const vi b = vi{} + (int32_t)bits;
-  return q + (((b & LANE_BIT) != 0) & add);
+  const vi lane_bit = {1, 2, 4, 8, 16, 32, 64, 128};
+  const vi b = vi{} + (int32_t)((bits >> (VL * h)) & 0xFF);
+  return q + (((b & lane_bit) != 0) & add);
 #endif
 }
 
@@ -109,23 +96,23 @@ inline int64_t group_bytes(int bits, int64_t g) {
   return bits == 8 ? g * L : g * 8 + (bits - 4) * g * 2;
 }
 
-// The codes of columns k and k + 1 of one group (k even).
+// The codes of columns k and k + 1 of one group (k even), lanes [VL h, VL h + VL).
 template <int BITS>
-inline void column_pair(const uint8_t* c, int64_t g, int k, vi& q0, vi& q1) {
+inline void column_pair(const uint8_t* c, int64_t g, int k, int h, vi& q0, vi& q1) {
   if constexpr (BITS == 8) {
-    q0 = widen(c + k * L);
-    q1 = widen(c + (k + 1) * L);
+    q0 = widen(c + k * L + VL * h);
+    q1 = widen(c + (k + 1) * L + VL * h);
   } else {
-    const vi q = widen(c + k * 8);
+    const vi q = widen(c + k * 8 + VL * h);
     q0 = q & 15;
     q1 = q >> 4;
     if constexpr (BITS >= 5) {
-      q0 = add_plane(q0, c + g * 8, k, 16);
-      q1 = add_plane(q1, c + g * 8, k + 1, 16);
+      q0 = add_plane(q0, c + g * 8, k, h, 16);
+      q1 = add_plane(q1, c + g * 8, k + 1, h, 16);
     }
     if constexpr (BITS == 6) {
-      q0 = add_plane(q0, c + g * 10, k, 32);
-      q1 = add_plane(q1, c + g * 10, k + 1, 32);
+      q0 = add_plane(q0, c + g * 10, k, h, 32);
+      q1 = add_plane(q1, c + g * 10, k + 1, h, 32);
     }
   }
 }
@@ -134,36 +121,43 @@ inline void column_pair(const uint8_t* c, int64_t g, int k, vi& q0, vi& q1) {
 // c = o, or z * s (exact: z is a power of two); w = q * s - c in one rounding, which is the two-step value
 // since q * s is exact for these types; 6-bit codes (Q6_K, where q * s may round) keep (q - z) * s.
 template <int BITS, int MC>
-inline void column_pair_madd(const uint8_t* __restrict cg, int64_t g, int k, vf s, vf c, vf zv,
-                             const float* __restrict xj, int64_t ldx, vf* a, vf* b) {
-  vi q0, q1;
-  column_pair<BITS>(cg, g, k, q0, q1);
-  vf w0, w1;
-  if constexpr (BITS == 6) {
-    w0 = (__builtin_convertvector(q0, vf) - zv) * s;
-    w1 = (__builtin_convertvector(q1, vf) - zv) * s;
-  } else {
-    w0 = fma(__builtin_convertvector(q0, vf), s, -c);
-    w1 = fma(__builtin_convertvector(q1, vf), s, -c);
-  }
-  for (int m = 0; m < MC; ++m) {
-    a[m] = fma(w0, bcast(xj[m * ldx + k]), a[m]);
-    b[m] = fma(w1, bcast(xj[m * ldx + k + 1]), b[m]);
+inline void column_pair_madd(const uint8_t* __restrict cg, int64_t g, int k, const vf* s, const vf* c, vf zv,
+                             const float* __restrict xj, int64_t ldx, vf (*a)[NV], vf (*b)[NV]) {
+  for (int h = 0; h < NV; ++h) {
+    vi q0, q1;
+    column_pair<BITS>(cg, g, k, h, q0, q1);
+    vf w0, w1;
+    if constexpr (BITS == 6) {
+      w0 = (__builtin_convertvector(q0, vf) - zv) * s[h];
+      w1 = (__builtin_convertvector(q1, vf) - zv) * s[h];
+    } else {
+      w0 = fma(__builtin_convertvector(q0, vf), s[h], -c[h]);
+      w1 = fma(__builtin_convertvector(q1, vf), s[h], -c[h]);
+    }
+    for (int m = 0; m < MC; ++m) {
+      a[m][h] = fma(w0, bcast(xj[m * ldx + k]), a[m][h]);
+      b[m][h] = fma(w1, bcast(xj[m * ldx + k + 1]), b[m][h]);
+    }
   }
 }
 
 // MC rows of x (row stride ldx) against one block of 16 output rows: res[MC][16]. Each x-row keeps four
-// (one row), two (up to 7 rows on AVX-512, 3 on AVX2) or one partial sum so that for few rows the multiply-adds do not wait on each other.
+// (one row), two (up to 7 rows on AVX-512) or one partial sum per vector, so that for few rows the
+// multiply-adds do not wait on each other.
 template <int BITS, bool OFF, int MC>
 inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, const uint8_t* __restrict codes,
                  const float* __restrict sc, const float* __restrict of, float z, float* __restrict res) {
-  vf a0[MC], a1[MC], a2[MC], a3[MC];
-  for (int m = 0; m < MC; ++m) a0[m] = a1[m] = a2[m] = a3[m] = vf{};
+  vf a0[MC][NV], a1[MC][NV], a2[MC][NV], a3[MC][NV];
+  for (int m = 0; m < MC; ++m)
+    for (int h = 0; h < NV; ++h) a0[m][h] = a1[m][h] = a2[m][h] = a3[m][h] = vf{};
   const vf zv = bcast(z);
   const int64_t CB = group_bytes(BITS, g);
   for (int64_t j = 0; j < G; ++j) {
-    const vf s = loadf(sc + j * L);
-    const vf c = OFF ? loadf(of + j * L) : zv * s;
+    vf s[NV], c[NV];
+    for (int h = 0; h < NV; ++h) {
+      s[h] = loadf(sc + j * L + VL * h);
+      c[h] = OFF ? loadf(of + j * L + VL * h) : zv * s[h];
+    }
     const uint8_t* cg = codes + j * CB;
     const float* xj = x + j * g;
     if constexpr (MC == 1) {
@@ -171,16 +165,17 @@ inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, c
         column_pair_madd<BITS, MC>(cg, g, k, s, c, zv, xj, ldx, a0, a1);
         column_pair_madd<BITS, MC>(cg, g, k + 2, s, c, zv, xj, ldx, a2, a3);
       }
-    } else if constexpr (MC <= 3 || (MCMAX == 8 && MC < 8)) {  // two sums per row while registers last
+    } else if constexpr (MCMAX == 8 && MC < 8) {  // two sums per row while registers last (AVX-512)
       for (int k = 0; k < g; k += 2) column_pair_madd<BITS, MC>(cg, g, k, s, c, zv, xj, ldx, a0, a1);
     } else {
       for (int k = 0; k < g; k += 2) column_pair_madd<BITS, MC>(cg, g, k, s, c, zv, xj, ldx, a0, a0);
     }
   }
-  for (int m = 0; m < MC; ++m) {
-    const vf t = (a0[m] + a1[m]) + (a2[m] + a3[m]);
-    std::memcpy(res + m * L, &t, sizeof(vf));
-  }
+  for (int m = 0; m < MC; ++m)
+    for (int h = 0; h < NV; ++h) {
+      const vf t = (a0[m][h] + a1[m][h]) + (a2[m][h] + a3[m][h]);
+      std::memcpy(res + m * L + VL * h, &t, sizeof(vf));
+    }
 }
 
 template <int BITS, bool OFF>
