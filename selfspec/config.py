@@ -42,6 +42,14 @@ class ModelConfig:
         "block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; cached). The quantized model is then the target.",
         choices=[None, "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"],
     )
+    numerics: str = opt(
+        "exact",
+        "How quantized weights multiply: 'exact' (float32 activations times the exact dequantized weights: the "
+        "target is the dequantized model) or 'int8' (opt-in, llama.cpp's numerics: activations rounded to 8 bits "
+        "per block, integer dot products; faster blocks, output close to but not always the dequantized model's; "
+        "speculation is lossless against plain decoding in the same mode). docs/QUANTIZED.md.",
+        choices=["exact", "int8"],
+    )
     device: str = opt("cpu", "torch device to run on (cpu, cuda, cuda:0, ...).")
     threads: int | None = opt(None, "torch intra-op threads (None: torch's default).")
     backend: str = opt(

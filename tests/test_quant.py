@@ -104,3 +104,39 @@ def test_avx2_variant_matches_too(tmp_path):
                         "-k", "not avx2"], env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
+
+
+def int8_reference(x: torch.Tensor, qw: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit activation mode in float64: x rounded to int8 per group (d = max|x| / 127, round half away
+    from zero), each group's exact integer dot product scaled back; and the size of the terms summed (the
+    float32 epilogue's rounding is relative to it)."""
+    codes, scales, offsets = qw.unpacked()
+    fmt = qw.format
+    g = fmt.group
+    xs = x.double().numpy().reshape(x.shape[0], -1, g)  # [M, G, g]
+    d = np.abs(xs).max(-1, keepdims=True) / 127
+    inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0)
+    v = xs * inv
+    q = np.sign(v) * np.floor(np.abs(v) + 0.5)
+    c = codes.astype(np.float64).reshape(codes.shape[0], -1, g)  # [N, G, g]
+    dots = np.einsum("mjk,njk->mnj", q, c)  # exact integer sums
+    cz = fmt.zero * scales.astype(np.float64) + (offsets if offsets is not None else 0)  # [N, G]
+    t = scales[None] * dots - cz[None] * q.sum(-1)[:, None, :]
+    size = np.abs(scales[None]) * np.einsum("mjk,njk->mnj", np.abs(q), c) + np.abs(cz[None]) * np.abs(q).sum(-1)[:, None]
+    return torch.from_numpy((t * d[:, None, :, 0]).sum(-1)), torch.from_numpy((size * d[:, None, :, 0]).sum(-1))
+
+
+@pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
+def test_int8_mode_matches_its_reference_and_is_row_independent(type_name):
+    n, k = 37, 512
+    qw = QuantWeight.from_gguf(random_tensor(type_name, n, k, seed=5), type_name, k)
+    qw.int8 = True
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(3))
+    out = torch.empty(11, n)
+    qw.matmul(x, out)
+    want, size = int8_reference(x, qw)
+    assert ((out.double() - want).abs() <= 1e-6 * size + 1e-6).all()
+    for i in range(11):  # a block of rows gives bitwise what each row gives alone
+        one = torch.empty(1, n)
+        qw.matmul(x[i : i + 1], one)
+        assert torch.equal(one[0], out[i])

@@ -160,3 +160,31 @@ def test_no_kernels_is_a_clear_error_not_a_slow_path(monkeypatch):
     monkeypatch.setattr(linear, "cpu_extension", lambda: None)
     with pytest.raises(linear.KernelUnavailableError, match="dtype='float32'"):
         SelfSpec(model, None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
+def test_int8_numerics_speculation_equals_its_own_plain_decoding(arch, one_thread):
+    """In the opt-in 8-bit activation mode the target is selfspec's own plain decoding in that mode: every
+    draft configuration must give exactly its tokens (and the mode must really change the numerics)."""
+    from selfspec.quant.modules import set_numerics
+
+    exact = SelfSpec(quantize_model(tiny_model(arch), "Q4_1"), None)
+    model = set_numerics(quantize_model(tiny_model(arch), "Q4_1"), "int8")
+    ss = SelfSpec(model, None)
+    assert ss.split.kernel == "selfspec-quant-int8"
+    x = torch.randn(1, 3, 64)
+    assert not torch.equal(ss.split.fast_layers[0].qkv(x), exact.split.fast_layers[0].qkv(x))
+    for plen, seed in ((9, 1), (17, 2)):
+        prompt = prompt_of(plen, seed)
+        ref = ss.generate(prompt, method="plain", max_new_tokens=NEW).token_ids
+        for k in (1, LAYERS - 1):
+            for gamma, tree in ((2, 0), (4, 0), (4, 3)):
+                ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=gamma, policy="fixed", tree_width=tree))
+                assert ss.generate(prompt, max_new_tokens=NEW).token_ids == ref, (k, gamma, tree)
+
+
+def test_int8_numerics_needs_quantized_weights():
+    from selfspec.quant.modules import set_numerics
+
+    with pytest.raises(InvalidConfigError, match="needs quantized weights"):
+        set_numerics(tiny_model("llama"), "int8")

@@ -17,6 +17,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, 
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
                       int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate);  // quant.cpp
+torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                         int64_t bits, int64_t group, double z, torch::Tensor bias, torch::Tensor out,
+                         bool accumulate);  // quant.cpp
+bool qlinear_i8_vnni();  // quant.cpp
 torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
                        double z, torch::Tensor ids, torch::Tensor out);  // quant.cpp
 
@@ -182,5 +186,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "causal grouped-query attention of new queries over the cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
   m.def("qlinear", &qlinear, "y = x @ W^T (+ bias) (+= into out) with a block-quantized packed weight", nogil);
+  m.def("qlinear_i8", &qlinear_i8, "qlinear with activations rounded to 8 bits per group (int8 numerics)", nogil);
+  m.def("qlinear_i8_vnni", &qlinear_i8_vnni, "whether qlinear_i8 uses AVX-512 VNNI");
   m.def("qdequant", &qdequant, "rows of a block-quantized packed weight as float32", nogil);
 }

@@ -30,8 +30,11 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -273,6 +276,199 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
 #undef SELFSPEC_RUN
   return out;
 }
+
+// ---- the 8-bit activation mode (opt-in: ModelConfig.numerics = "int8") ------------------------------------
+// Activations are rounded to 8 bits per group of the weight's group size (d = max|x| / 127, q = round(x / d),
+// as llama.cpp's Q8 blocks), so a group's dot product is an exact integer sum of code x code products:
+//     sum_k w_k x_k  ~=  d_x * (s * sum_k q_k qx_k - (z * s + o) * sum_k qx_k)
+// With AVX-512 VNNI one vpdpbusd multiplies 4 columns x 16 rows of unsigned codes by 4 signed activation
+// bytes; elsewhere the same integer sums are formed with int32 vector ops. Every x-row goes through the same
+// operations whatever the number of rows, so a block of n rows gives bitwise the results of n single rows.
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__BMI2__)
+constexpr bool VNNI = true;
+// The codes of columns k .. k + 3 of a group's 16 rows as one register: dword r = q[r][k .. k + 3].
+template <int BITS>
+inline __m512i four_columns(const uint8_t* c, int64_t g, int k) {
+  __m512i w;
+  if constexpr (BITS == 8) {
+    static const __m512i idx = [] {
+      alignas(64) uint8_t t[64];
+      for (int r = 0; r < 16; ++r)
+        for (int kk = 0; kk < 4; ++kk) t[4 * r + kk] = (uint8_t)(16 * kk + r);
+      return _mm512_load_si512(t);
+    }();
+    w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(c + k * L));
+  } else {
+    static const __m512i idx = [] {
+      alignas(64) uint8_t t[64];
+      for (int r = 0; r < 16; ++r) {
+        t[4 * r] = t[4 * r + 1] = (uint8_t)r;
+        t[4 * r + 2] = t[4 * r + 3] = (uint8_t)(16 + r);
+      }
+      return _mm512_load_si512(t);
+    }();
+    const __m512i t = _mm512_permutexvar_epi8(idx, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(c + k * 8))));
+    const __m512i nib = _mm512_set1_epi8(15);
+    w = _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, _mm512_and_si512(t, nib),
+                               _mm512_and_si512(_mm512_srli_epi16(t, 4), nib));
+    for (int bit = 4; bit < BITS; ++bit) {
+      const uint8_t* planes = c + g * 8 + (bit - 4) * g * 2;
+      uint64_t mask = 0;
+      for (int kk = 0; kk < 4; ++kk) {
+        uint16_t p;
+        std::memcpy(&p, planes + 2 * (k + kk), 2);
+        mask |= _pdep_u64(p, 0x1111111111111111ull) << kk;
+      }
+      w = _mm512_mask_add_epi8(w, mask, w, _mm512_set1_epi8((char)(1 << bit)));
+    }
+  }
+  return w;
+}
+#else
+constexpr bool VNNI = false;
+#endif
+
+// MC quantized x-rows against one block of 16 output rows: res[MC][16].
+template <int BITS, bool OFF, int MC>
+void tile_i8(const int8_t* __restrict qx, const float* __restrict dx, const int32_t* __restrict sx, int64_t K,
+             int64_t G, int64_t g, const uint8_t* __restrict codes, const float* __restrict sc,
+             const float* __restrict of, float z, float* __restrict res) {
+  vf acc[MC][NV];
+  for (int m = 0; m < MC; ++m)
+    for (int h = 0; h < NV; ++h) acc[m][h] = vf{};
+  const int64_t CB = group_bytes(BITS, g);
+  const vf zv = bcast(z);
+  for (int64_t j = 0; j < G; ++j) {
+    const uint8_t* cg = codes + j * CB;
+    vi isum[MC][NV];
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__BMI2__)
+    __m512i is[MC];
+    for (int m = 0; m < MC; ++m) is[m] = _mm512_setzero_si512();
+    for (int k = 0; k < g; k += 4) {
+      const __m512i w = four_columns<BITS>(cg, g, k);
+      for (int m = 0; m < MC; ++m) {
+        int32_t xb;
+        std::memcpy(&xb, qx + m * K + j * g + k, 4);
+        is[m] = _mm512_dpbusd_epi32(is[m], w, _mm512_set1_epi32(xb));
+      }
+    }
+    for (int m = 0; m < MC; ++m) isum[m][0] = (vi)is[m];
+#else
+    for (int m = 0; m < MC; ++m)
+      for (int h = 0; h < NV; ++h) isum[m][h] = vi{};
+    for (int k = 0; k < g; k += 2)
+      for (int h = 0; h < NV; ++h) {
+        vi q0, q1;
+        column_pair<BITS>(cg, g, k, h, q0, q1);
+        for (int m = 0; m < MC; ++m)
+          isum[m][h] += q0 * (int32_t)qx[m * K + j * g + k] + q1 * (int32_t)qx[m * K + j * g + k + 1];
+      }
+#endif
+    for (int h = 0; h < NV; ++h) {
+      const vf s = loadf(sc + j * L + VL * h);
+      const vf cz = OFF ? zv * s + loadf(of + j * L + VL * h) : zv * s;
+      for (int m = 0; m < MC; ++m) {
+        const vf t = s * __builtin_convertvector(isum[m][h], vf) - cz * (float)sx[m * G + j];
+        acc[m][h] = fma(t, bcast(dx[m * G + j]), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MC; ++m)
+    for (int h = 0; h < NV; ++h) std::memcpy(res + m * L + VL * h, &acc[m][h], sizeof(vf));
+}
+
+template <int BITS, bool OFF>
+void run_i8(const int8_t* qx, const float* dx, const int32_t* sx, int64_t M, int64_t K, const uint8_t* codes,
+            const float* sc, const float* of, int64_t NB, int64_t G, int64_t g, float z, const float* bias, float* y,
+            int64_t ldy, int64_t N, bool accumulate) {
+  const int64_t CB = group_bytes(BITS, g);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < NB; ++b) {
+    float res[4 * L];
+    const int64_t rows = std::min<int64_t>(L, N - b * L);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t mc = std::min<int64_t>(4, M - m0);
+      const int8_t* q = qx + m0 * K;
+      const float* d = dx + m0 * G;
+      const int32_t* sm = sx + m0 * G;
+      const uint8_t* cb = codes + b * G * CB;
+      const float* sb = sc + b * G * L;
+      const float* ob = OFF ? of + b * G * L : nullptr;
+      switch (mc) {
+        case 1: tile_i8<BITS, OFF, 1>(q, d, sm, K, G, g, cb, sb, ob, z, res); break;
+        case 2: tile_i8<BITS, OFF, 2>(q, d, sm, K, G, g, cb, sb, ob, z, res); break;
+        case 3: tile_i8<BITS, OFF, 3>(q, d, sm, K, G, g, cb, sb, ob, z, res); break;
+        default: tile_i8<BITS, OFF, 4>(q, d, sm, K, G, g, cb, sb, ob, z, res); break;
+      }
+      for (int64_t m = 0; m < mc; ++m) {
+        float* ym = y + (m0 + m) * ldy + b * L;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float v = res[m * L + r] + (bias ? bias[b * L + r] : 0.f);
+          ym[r] = accumulate ? ym[r] + v : v;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// As qlinear, with x rounded to 8 bits per group of the weight's group size (the int8 numerics mode).
+torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                         int64_t bits, int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
+  check_packed(codes, scales, offsets, bits, group);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), G = codes.size(1), N = out.size(1);
+  TORCH_CHECK(K == G * group, "x has ", K, " columns, the weight ", G * group);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && out.scalar_type() == torch::kFloat &&
+                  N <= NB * L && N > (NB - 1) * L,
+              "out: [M, N] float32 with unit column stride");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias: [N] or empty");
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * G);
+  std::vector<int32_t> sx(M * G);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < M * G; ++i) {  // row m = i / G, group j = i % G
+    const float* xg = xp + i * group;
+    float amax = 0.f;
+    for (int64_t k = 0; k < group; ++k) amax = std::max(amax, std::fabs(xg[k]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < group; ++k) {
+      const int8_t q = (int8_t)std::lround(xg[k] * id);
+      qx[i * group + k] = q;
+      sum += q;
+    }
+    dx[i] = d;
+    sx[i] = sum;
+  }
+  const bool off = offsets.numel() > 0;
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = off ? offsets.data_ptr<float>() : nullptr;
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* yp = out.data_ptr<float>();
+  const int64_t ldy = out.stride(0);
+  const float zf = (float)z;
+#define SELFSPEC_RUN(B, O) \
+  run_i8<B, O>(qx.data(), dx.data(), sx.data(), M, K, cp, sp, op, NB, G, group, zf, bp, yp, ldy, N, accumulate)
+  switch (bits * 2 + (off ? 1 : 0)) {
+    case 8: SELFSPEC_RUN(4, false); break;
+    case 9: SELFSPEC_RUN(4, true); break;
+    case 10: SELFSPEC_RUN(5, false); break;
+    case 11: SELFSPEC_RUN(5, true); break;
+    case 12: SELFSPEC_RUN(6, false); break;
+    case 13: SELFSPEC_RUN(6, true); break;
+    case 16: SELFSPEC_RUN(8, false); break;
+    default: SELFSPEC_RUN(8, true); break;
+  }
+#undef SELFSPEC_RUN
+  return out;
+}
+
+bool qlinear_i8_vnni() { return VNNI; }
 
 // Rows ``ids`` of the packed weight as float32: out [len(ids), K] (an embedding lookup, a slice of the
 // LM head, the reference backend's on-demand weights). The same formula as the kernel.

@@ -30,6 +30,7 @@ from selfspec.models import catalog
 from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
 from selfspec.paths import cache_root
 from selfspec.progress import progress, quiet_transformers
+from selfspec.quant.modules import set_numerics
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -262,7 +263,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         model, tokenizer = _load_native(local_gguf(cfg))
         if model.generation_config is not None and model.generation_config.pad_token_id is None:
             model.generation_config.pad_token_id = tokenizer.eos_token_id
-        return model, tokenizer
+        return set_numerics(model, cfg.numerics), tokenizer
     where, gguf = resolve_model(cfg.model, cfg.gguf_file)
     config = load_config(where, gguf)
     check_supported(config.model_type)  # before any weights are read
@@ -278,6 +279,8 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         raise ModelNotFoundError(f"cannot load model '{cfg.model}': {e}") from e
     if cfg.quantize:
         model = _quantized(model, cfg, where)
+    if cfg.numerics != "exact":
+        set_numerics(model, cfg.numerics)
     model = model.to(cfg.device).eval().requires_grad_(False)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.eos_token_id

@@ -102,7 +102,8 @@ class SplitModel:
         self.quantized = is_quantized(model)  # a GGUF with its block-quantized weights (selfspec.quant)
         self.kernel = kernel_name(self.device, self.dtype) if backend == "fast" else "transformers-modules"
         if backend == "fast" and self.quantized:
-            self.kernel = "selfspec-quant"
+            int8 = any(getattr(getattr(m, "qweight", None), "int8", False) for m in model.modules())
+            self.kernel = "selfspec-quant-int8" if int8 else "selfspec-quant"
         self.fast_layers: list[FastLayer] = []
         if backend == "fast":
             self.fast_layers = [FastLayer(layer, i, self.windows[i]) for i, layer in enumerate(self.layers)]

@@ -80,6 +80,21 @@ def weight_rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return module.weight[ids]
 
 
+def set_numerics(model: nn.Module, numerics: str) -> nn.Module:
+    """Switch every quantized weight of ``model`` to 'exact' or 'int8' numerics (``ModelConfig.numerics``)
+    before the engine packs it; transformers' own forward (the reference) always stays exact."""
+    from selfspec.errors import InvalidConfigError
+
+    if numerics not in ("exact", "int8"):
+        raise InvalidConfigError(f"numerics must be 'exact' or 'int8', got '{numerics}'")
+    weights = [m.qweight for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    if numerics == "int8" and not weights:
+        raise InvalidConfigError("numerics='int8' needs quantized weights: a GGUF (dtype='auto') or quantize=TYPE")
+    for w in weights:
+        w.int8 = numerics == "int8"
+    return model
+
+
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
 

@@ -55,6 +55,7 @@ class QuantWeight:
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
+    int8: bool = False  # the 8-bit activation mode (ModelConfig.numerics="int8"): qlinear_i8
 
     @property
     def format(self) -> Format:
@@ -97,11 +98,12 @@ class QuantWeight:
         (+ bias), 16 rows of x per kernel call."""
         ext = cpu_extension()
         b = bias if bias is not None else _NO_BIAS
+        kernel = ext.qlinear_i8 if self.int8 else ext.qlinear
         if x.shape[0] <= KERNEL_ROWS:  # a decoding step: no slicing (each slice is an op on the hot path)
-            return ext.qlinear(x, *self._args(), b, out, accumulate)
+            return kernel(x, *self._args(), b, out, accumulate)
         for s in range(0, x.shape[0], KERNEL_ROWS):
             e = min(x.shape[0], s + KERNEL_ROWS)
-            ext.qlinear(x[s:e], *self._args(), b, out[s:e], accumulate)
+            kernel(x[s:e], *self._args(), b, out[s:e], accumulate)
         return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -142,19 +144,23 @@ class QuantWeight:
         """Rows ``ids`` as a new packed QuantWeight (a trimmed LM head: the rows stay quantized)."""
         codes, scales, offsets = self.unpacked()
         idx = np.asarray(ids, dtype=np.int64)
-        return QuantWeight.from_codes(self.type_name, codes[idx], scales[idx],
-                                      offsets[idx] if offsets is not None else None)
+        out = QuantWeight.from_codes(self.type_name, codes[idx], scales[idx],
+                                     offsets[idx] if offsets is not None else None)
+        out.int8 = self.int8
+        return out
 
     @staticmethod
     def concat(parts: list[QuantWeight]) -> QuantWeight:
         """Several weights of one type and K, each N a multiple of 16, as one (fused q/k/v, gate/up). The parts
         are re-pointed at slices of the fused tensors, so the model holds one copy, not two."""
         first = parts[0]
-        if any(p.type_name != first.type_name or p.shape[1] != first.shape[1] or p.shape[0] % LANES for p in parts):
-            raise ValueError("concat needs one type, one K and row counts that are multiples of 16")
+        if any(p.type_name != first.type_name or p.shape[1] != first.shape[1] or p.shape[0] % LANES
+               or p.int8 != first.int8 for p in parts):
+            raise ValueError("concat needs one type, one K, one numerics mode and row counts that are multiples of 16")
         fused = QuantWeight(first.type_name, (sum(p.shape[0] for p in parts), first.shape[1]),
                             torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                            torch.cat([p.offsets for p in parts]) if first.offsets.numel() else torch.empty(0))
+                            torch.cat([p.offsets for p in parts]) if first.offsets.numel() else torch.empty(0),
+                            first.int8)
         start = 0
         for p in parts:
             end = start + p.shape[0] // LANES
