@@ -107,17 +107,17 @@ def test_avx2_variant_matches_too(tmp_path):
 
 
 def int8_reference(x: torch.Tensor, qw: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 8-bit activation mode in float64: x rounded to int8 per group (d = max|x| / 127, round half away
-    from zero), each group's exact integer dot product scaled back; and the size of the terms summed (the
+    """The 8-bit activation mode in float64: x rounded to int8 per group (d = max|x| / 127, x / d rounded to
+    nearest, ties to even, in float32 as the kernel does), each group's exact integer dot product scaled back; and the size of the terms summed (the
     float32 epilogue's rounding is relative to it)."""
     codes, scales, offsets = qw.unpacked()
     fmt = qw.format
     g = fmt.group
-    xs = x.double().numpy().reshape(x.shape[0], -1, g)  # [M, G, g]
-    d = np.abs(xs).max(-1, keepdims=True) / 127
-    inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0)
-    v = xs * inv
-    q = np.sign(v) * np.floor(np.abs(v) + 0.5)
+    xs = x.numpy().reshape(x.shape[0], -1, g)  # [M, G, g] float32
+    d = np.abs(xs).max(-1, keepdims=True) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(xs * inv).astype(np.float64)  # float32 products, rounded half to even
+    d = d.astype(np.float64)
     c = codes.astype(np.float64).reshape(codes.shape[0], -1, g)  # [N, G, g]
     dots = np.einsum("mjk,njk->mnj", q, c)  # exact integer sums
     cz = fmt.zero * scales.astype(np.float64) + (offsets if offsets is not None else 0)  # [N, G]

@@ -278,8 +278,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
 }
 
 // ---- the 8-bit activation mode (opt-in: ModelConfig.numerics = "int8") ------------------------------------
-// Activations are rounded to 8 bits per group of the weight's group size (d = max|x| / 127, q = round(x / d),
-// as llama.cpp's Q8 blocks), so a group's dot product is an exact integer sum of code x code products:
+// Activations are rounded to 8 bits per group of the weight's group size (d = max|x| / 127, q = x / d rounded
+// to nearest, ties to even; llama.cpp's Q8 blocks round ties away from zero), so a group's dot product is an exact integer sum of code x code products:
 //     sum_k w_k x_k  ~=  d_x * (s * sum_k q_k qx_k - (z * s + o) * sum_k qx_k)
 // With AVX-512 VNNI one vpdpbusd multiplies 4 columns x 16 rows of unsigned codes by 4 signed activation
 // bytes; elsewhere the same integer sums are formed with int32 vector ops. Every x-row goes through the same
@@ -344,17 +344,18 @@ void tile_i8(const int8_t* __restrict qx, const float* __restrict dx, const int3
     const uint8_t* cg = codes + j * CB;
     vi isum[MC][NV];
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__BMI2__)
-    __m512i is[MC];
-    for (int m = 0; m < MC; ++m) is[m] = _mm512_setzero_si512();
-    for (int k = 0; k < g; k += 4) {
-      const __m512i w = four_columns<BITS>(cg, g, k);
+    __m512i is[2][MC];  // two independent integer sums per row (exact: their order cannot matter)
+    for (int m = 0; m < MC; ++m) is[0][m] = is[1][m] = _mm512_setzero_si512();
+    for (int k = 0; k < g; k += 8) {
+      const __m512i w0 = four_columns<BITS>(cg, g, k), w1 = four_columns<BITS>(cg, g, k + 4);
       for (int m = 0; m < MC; ++m) {
-        int32_t xb;
-        std::memcpy(&xb, qx + m * K + j * g + k, 4);
-        is[m] = _mm512_dpbusd_epi32(is[m], w, _mm512_set1_epi32(xb));
+        int32_t xb[2];
+        std::memcpy(xb, qx + m * K + j * g + k, 8);
+        is[0][m] = _mm512_dpbusd_epi32(is[0][m], w0, _mm512_set1_epi32(xb[0]));
+        is[1][m] = _mm512_dpbusd_epi32(is[1][m], w1, _mm512_set1_epi32(xb[1]));
       }
     }
-    for (int m = 0; m < MC; ++m) isum[m][0] = (vi)is[m];
+    for (int m = 0; m < MC; ++m) isum[m][0] = (vi)_mm512_add_epi32(is[0][m], is[1][m]);
 #else
     for (int m = 0; m < MC; ++m)
       for (int h = 0; h < NV; ++h) isum[m][h] = vi{};
@@ -436,9 +437,10 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
     for (int64_t k = 0; k < group; ++k) amax = std::max(amax, std::fabs(xg[k]));
     const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
     int32_t sum = 0;
-    for (int64_t k = 0; k < group; ++k) {
-      const int8_t q = (int8_t)std::lround(xg[k] * id);
-      qx[i * group + k] = q;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t k = 0; k < group; ++k) {  // round to nearest, ties to even (vroundps / cvtps2dq)
+      const int32_t q = (int32_t)__builtin_nearbyintf(xg[k] * id);
+      qx[i * group + k] = (int8_t)q;
       sum += q;
     }
     dx[i] = d;
