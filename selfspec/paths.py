@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -12,3 +16,19 @@ def cache_root() -> Path:
         return Path(os.environ["SELFSPEC_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "selfspec"
+
+
+@contextmanager
+def atomic_dir(target: Path) -> Iterator[Path]:
+    """A temporary directory beside ``target`` to write into; on success it replaces ``target`` in one
+    rename, on an error it is removed: readers never see a half-written directory."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        yield tmp
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

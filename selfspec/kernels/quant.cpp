@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -181,6 +182,36 @@ inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, c
     }
 }
 
+// res[mc][16] (+ bias) into y's rows (stride ldy), the first ``rows`` columns of the block, or added to them.
+inline void store_tile(const float* res, int64_t mc, float* y, int64_t ldy, int64_t rows, const float* bias,
+                       bool accumulate) {
+  for (int64_t m = 0; m < mc; ++m)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float v = res[m * L + r] + (bias ? bias[r] : 0.f);
+      y[m * ldy + r] = accumulate ? y[m * ldy + r] + v : v;
+    }
+}
+
+// f(bits, has offsets) with both as compile-time constants (std::integral_constant), for the kernels' templates.
+template <typename F>
+void dispatch(int64_t bits, bool off, F&& f) {
+  using std::false_type, std::true_type;
+  using B4 = std::integral_constant<int, 4>;
+  using B5 = std::integral_constant<int, 5>;
+  using B6 = std::integral_constant<int, 6>;
+  using B8 = std::integral_constant<int, 8>;
+  switch (bits * 2 + (off ? 1 : 0)) {
+    case 8: f(B4{}, false_type{}); break;
+    case 9: f(B4{}, true_type{}); break;
+    case 10: f(B5{}, false_type{}); break;
+    case 11: f(B5{}, true_type{}); break;
+    case 12: f(B6{}, false_type{}); break;
+    case 13: f(B6{}, true_type{}); break;
+    case 16: f(B8{}, false_type{}); break;
+    default: f(B8{}, true_type{}); break;
+  }
+}
+
 template <int BITS, bool OFF>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* sc, const float* of, int64_t NB,
          int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N, bool accumulate) {
@@ -211,13 +242,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float
         default: tile<BITS, OFF, MCMAX>(xm, K, G, g, cb, sb, ob, z, res); break;
 #endif
       }
-      for (int64_t m = 0; m < mc; ++m) {
-        float* ym = y + (m0 + m) * ldy + b * L;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float v = res[m * L + r] + (bias ? bias[b * L + r] : 0.f);
-          ym[r] = accumulate ? ym[r] + v : v;
-        }
-      }
+      store_tile(res, mc, y + m0 * ldy + b * L, ldy, rows, bias ? bias + b * L : nullptr, accumulate);
       m0 += mc;
     }
   }
@@ -238,6 +263,20 @@ void check_packed(const torch::Tensor& codes, const torch::Tensor& scales, const
               "offsets: empty or shaped like scales");
 }
 
+// The arguments of qlinear / qlinear_i8, checked.
+void check_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                  const torch::Tensor& offsets, int64_t bits, int64_t group, const torch::Tensor& bias,
+                  const torch::Tensor& out) {
+  check_packed(codes, scales, offsets, bits, group);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
+  const int64_t NB = codes.size(0), N = out.size(1);
+  TORCH_CHECK(x.size(1) == codes.size(1) * group, "x has ", x.size(1), " columns, the weight ", codes.size(1) * group);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 && out.scalar_type() == torch::kFloat &&
+                  N <= NB * L && N > (NB - 1) * L,
+              "out: [M, N] float32 with unit column stride");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias: [N] or empty");
+}
+
 }  // namespace
 
 // x [M, K] float32 contiguous; the packed weight (codes, scales, offsets, bits, group, zero point z);
@@ -245,14 +284,8 @@ void check_packed(const torch::Tensor& codes, const torch::Tensor& scales, const
 // written or added to. Returns out.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
                       int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
-  check_packed(codes, scales, offsets, bits, group);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
+  check_linear(x, codes, scales, offsets, bits, group, bias, out);
   const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), G = codes.size(1), N = out.size(1);
-  TORCH_CHECK(K == G * group, "x has ", K, " columns, the weight ", G * group);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && out.scalar_type() == torch::kFloat &&
-                  N <= NB * L && N > (NB - 1) * L,
-              "out: [M, N] float32 with unit column stride");
-  TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias: [N] or empty");
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -262,18 +295,9 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   float* yp = out.data_ptr<float>();
   const int64_t ldy = out.stride(0);
   const float zf = (float)z;
-#define SELFSPEC_RUN(B, O) run<B, O>(xp, M, K, cp, sp, op, NB, G, group, zf, bp, yp, ldy, N, accumulate)
-  switch (bits * 2 + (off ? 1 : 0)) {
-    case 8: SELFSPEC_RUN(4, false); break;
-    case 9: SELFSPEC_RUN(4, true); break;
-    case 10: SELFSPEC_RUN(5, false); break;
-    case 11: SELFSPEC_RUN(5, true); break;
-    case 12: SELFSPEC_RUN(6, false); break;
-    case 13: SELFSPEC_RUN(6, true); break;
-    case 16: SELFSPEC_RUN(8, false); break;
-    default: SELFSPEC_RUN(8, true); break;
-  }
-#undef SELFSPEC_RUN
+  dispatch(bits, off, [&](auto B, auto O) {
+    run<decltype(B)::value, decltype(O)::value>(xp, M, K, cp, sp, op, NB, G, group, zf, bp, yp, ldy, N, accumulate);
+  });
   return out;
 }
 
@@ -403,13 +427,7 @@ void run_i8(const int8_t* qx, const float* dx, const int32_t* sx, int64_t M, int
         case 3: tile_i8<BITS, OFF, 3>(q, d, sm, K, G, g, cb, sb, ob, z, res); break;
         default: tile_i8<BITS, OFF, 4>(q, d, sm, K, G, g, cb, sb, ob, z, res); break;
       }
-      for (int64_t m = 0; m < mc; ++m) {
-        float* ym = y + (m0 + m) * ldy + b * L;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float v = res[m * L + r] + (bias ? bias[b * L + r] : 0.f);
-          ym[r] = accumulate ? ym[r] + v : v;
-        }
-      }
+      store_tile(res, mc, y + m0 * ldy + b * L, ldy, rows, bias ? bias + b * L : nullptr, accumulate);
     }
   }
 }
@@ -419,14 +437,8 @@ void run_i8(const int8_t* qx, const float* dx, const int32_t* sx, int64_t M, int
 // As qlinear, with x rounded to 8 bits per group of the weight's group size (the int8 numerics mode).
 torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                          int64_t bits, int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
-  check_packed(codes, scales, offsets, bits, group);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
+  check_linear(x, codes, scales, offsets, bits, group, bias, out);
   const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), G = codes.size(1), N = out.size(1);
-  TORCH_CHECK(K == G * group, "x has ", K, " columns, the weight ", G * group);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && out.scalar_type() == torch::kFloat &&
-                  N <= NB * L && N > (NB - 1) * L,
-              "out: [M, N] float32 with unit column stride");
-  TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias: [N] or empty");
   std::vector<int8_t> qx(M * K);
   std::vector<float> dx(M * G);
   std::vector<int32_t> sx(M * G);
@@ -454,19 +466,10 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   float* yp = out.data_ptr<float>();
   const int64_t ldy = out.stride(0);
   const float zf = (float)z;
-#define SELFSPEC_RUN(B, O) \
-  run_i8<B, O>(qx.data(), dx.data(), sx.data(), M, K, cp, sp, op, NB, G, group, zf, bp, yp, ldy, N, accumulate)
-  switch (bits * 2 + (off ? 1 : 0)) {
-    case 8: SELFSPEC_RUN(4, false); break;
-    case 9: SELFSPEC_RUN(4, true); break;
-    case 10: SELFSPEC_RUN(5, false); break;
-    case 11: SELFSPEC_RUN(5, true); break;
-    case 12: SELFSPEC_RUN(6, false); break;
-    case 13: SELFSPEC_RUN(6, true); break;
-    case 16: SELFSPEC_RUN(8, false); break;
-    default: SELFSPEC_RUN(8, true); break;
-  }
-#undef SELFSPEC_RUN
+  dispatch(bits, off, [&](auto B, auto O) {
+    run_i8<decltype(B)::value, decltype(O)::value>(qx.data(), dx.data(), sx.data(), M, K, cp, sp, op, NB, G, group,
+                                                   zf, bp, yp, ldy, N, accumulate);
+  });
   return out;
 }
 

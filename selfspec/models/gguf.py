@@ -17,9 +17,6 @@ from the GGUF's vocabulary by transformers, is cached beside the converted model
 from __future__ import annotations
 
 import fcntl
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ from torch import nn
 
 from selfspec.errors import ModelNotFoundError, SelfSpecError
 from selfspec.models.split import check_supported
+from selfspec.paths import atomic_dir
 from selfspec.progress import progress, quiet_transformers
 from selfspec.quant.formats import FLOAT_TYPES, check_type
 from selfspec.quant.store import assemble, empty_model, load_packed, save_packed
@@ -130,11 +128,6 @@ def load_gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
     with open(cache_dir.parent / f".{cache_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (cache_dir / "tokenizer_config.json").is_file():
-            tmp = Path(tempfile.mkdtemp(dir=cache_dir.parent, prefix=f".{cache_dir.name}."))
-            try:
+            with atomic_dir(cache_dir) as tmp:
                 tok.save_pretrained(tmp)
-                os.replace(tmp, cache_dir)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
     return tok

@@ -16,9 +16,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +25,7 @@ from selfspec.config import ModelConfig
 from selfspec.errors import InvalidConfigError, ModelNotFoundError, SelfSpecError
 from selfspec.models import catalog
 from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
-from selfspec.paths import cache_root
+from selfspec.paths import atomic_dir, cache_root
 from selfspec.progress import progress, quiet_transformers
 from selfspec.quant.modules import set_numerics
 
@@ -89,19 +86,11 @@ def convert_gguf(gguf: Path, out: Path, sha256: str | None = None) -> Path:
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(model.state_dict())
         plain.tie_weights()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-        try:
+        with atomic_dir(out) as tmp:
             plain.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             if plain.generation_config is not None:
                 plain.generation_config.save_pretrained(tmp)
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         stages.update()
     return out
 

@@ -10,9 +10,6 @@ into a meta-device transformers model, quantized modules in place of its Linear 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ import torch
 from torch import nn
 
 from selfspec.errors import ModelNotFoundError
+from selfspec.paths import atomic_dir
 from selfspec.progress import quiet_transformers
 from selfspec.quant.modules import QuantEmbedding, QuantLinear
 from selfspec.quant.weight import QuantWeight
@@ -66,18 +64,10 @@ def save_packed(cache: Path, config: Any, quant: dict[str, QuantWeight], floats:
         if qw.offsets.numel():
             tensors[f"q.{name}.offsets"] = qw.offsets
     modules = {name: [qw.type_name, *qw.shape] for name, qw in quant.items()}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{cache.name}."))
-    try:
+    with atomic_dir(cache) as tmp:
         config.save_pretrained(tmp)
         save_file(tensors, str(tmp / "packed.safetensors"),
                   metadata={"modules": json.dumps(modules), "version": str(PACK_VERSION)})
-        if cache.exists():
-            shutil.rmtree(cache)
-        os.replace(tmp, cache)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def assemble(model: nn.Module, quant: dict[str, QuantWeight], floats: dict[str, torch.Tensor], source: str) -> nn.Module:
