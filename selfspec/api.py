@@ -105,7 +105,8 @@ class SelfSpec:
         if draft.tree_width is None:  # the head's measured best, else chains
             width = head.recommended_draft.get("tree_width", 0)
             draft = replace(draft, tree_width=width if head.supports_tree else 0)
-        if draft.tree_width > 1 and not head.supports_tree:
+        if draft.tree_width > 1 and (not head.supports_tree or self.split.kernel.endswith("int8")):
+            # int8 numerics: tree blocks attend through SDPA, which does not give single steps' rows bitwise
             draft = replace(draft, tree_width=0)
         name = draft.policy if draft.policy != "auto" else ("thompson-confidence" if tuning else "confidence")
         threshold = draft.threshold

@@ -84,6 +84,7 @@ class PackedLinear:
         self._packed: torch.Tensor | None = None
         self._onednn: torch.Tensor | None = None
         self._quant: list[tuple[Any, int, int]] | None = None  # (QuantWeight or float PackedLinear, first, end)
+        self.int8 = quant and any(getattr(w, "int8", False) for w in ws)  # the 8-bit activation mode
         if quant:
             self._quant = _quant_segments(ws)
             self.path = "selfspec-quant"

@@ -172,7 +172,9 @@ class FastLayer:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if fused:
             q = self.ops.rope_qkv(qkv.contiguous(), *seg.rotary.raw, seg.keys, seg.values, seg.start, hq, hkv)
-            if n <= FUSED_ATTENTION_ROWS and seg.causal:  # measured: the fused op wins for 1-2 queries
+            # measured: the fused op wins for 1-2 queries. In the int8 mode every causal block takes it: it computes
+            # each query row alone, so a verification block gives bitwise the rows of single steps.
+            if seg.causal and (n <= FUSED_ATTENTION_ROWS or self.qkv.int8):
                 return self.ops.attention(q, seg.keys, seg.values, seg.start, self.window, self.scaling)
             return self._sdpa(q, seg.keys, seg.values, seg.start + n, seg.mask)
         heads = qkv.view(b, n, hq + 2 * hkv, d)
