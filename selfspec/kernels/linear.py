@@ -36,12 +36,14 @@ from selfspec.errors import SelfSpecError
 from selfspec.kernels.build import cpu_extension
 from selfspec.quant.weight import QuantWeight
 
+MAX_GEMV_ROWS = 16  # the custom kernel's row limit (a decoding step, a verification block)
+MAX_CHUNKED_ROWS = 64  # up to here, blocks of 16 rows through the kernel beat MKL's sgemm (measured below)
+
 
 class KernelUnavailableError(SelfSpecError):
     """A weight format that needs selfspec's compiled kernels, where they could not be built."""
 
-MAX_GEMV_ROWS = 16  # the custom kernel's row limit (a decoding step, a verification block)
-MAX_CHUNKED_ROWS = 64  # up to here, blocks of 16 rows through the kernel beat MKL's sgemm (measured below)
+
 def _onednn_ok(dtype: torch.dtype) -> bool:
     return (
         os.environ.get("SELFSPEC_KERNEL", "") != "torch"
@@ -110,6 +112,15 @@ class PackedLinear:
             return F.linear(x, w, b)
         return torch.cat([F.linear(x, w, b) for w, b in parts], dim=-1)
 
+    def _rows(self, x: torch.Tensor, rows: int, out: torch.Tensor | None,
+              accumulate: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The kernels' view of a call: x as ``# [rows, K]`` float32 contiguous, the ``# [rows, N]`` output to
+        write (``out``'s view, or a new one, which nothing is accumulated into)."""
+        x2 = x.reshape(rows, self.in_features).float().contiguous()
+        if out is None:
+            return x2, x2.new_empty(rows, self.out_features), False
+        return x2, out.view(rows, self.out_features), accumulate
+
     def _run_quant(self, x2: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
         assert self._quant is not None
         if len(self._quant) == 1 and isinstance(self._quant[0][0], QuantWeight):  # one call, no column slices
@@ -129,21 +140,11 @@ class PackedLinear:
         rows = x.numel() // self.in_features
         no_grad = not (x.requires_grad and torch.is_grad_enabled())  # the kernels have no backward
         if self._quant is not None and rows > 0 and no_grad:
-            x2 = x.reshape(rows, self.in_features).float().contiguous()
-            if out is None:
-                y = x2.new_empty(rows, self.out_features)
-                accumulate = False
-            else:
-                y = out.view(rows, self.out_features)
+            x2, y, accumulate = self._rows(x, rows, out, accumulate)
             self._run_quant(x2, y, accumulate)
             return y.view(*lead, self.out_features) if out is None else out
         if self._packed is not None and 0 < rows <= MAX_CHUNKED_ROWS and x.dtype == torch.float32 and no_grad:
-            x2 = x.reshape(rows, self.in_features).contiguous()
-            if out is None:
-                y = x2.new_empty(rows, self.out_features)
-                accumulate = False
-            else:
-                y = out.view(rows, self.out_features)
+            x2, y, accumulate = self._rows(x, rows, out, accumulate)
             # Beyond 16 rows (a batch's verification blocks), 16 rows per kernel call: every 120 linears of the
             # default model at 32 rows took 76 ms against MKL's 115 (48 rows: 108 / 155; 96: a tie; 256: MKL wins)
             for s in range(0, rows, MAX_GEMV_ROWS):
