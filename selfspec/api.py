@@ -18,29 +18,16 @@ from typing import Any
 from selfspec.batch.scheduler import BatchConfig, TextScheduler
 from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, PipelineConfig
 from selfspec.costs import DraftCosts, measure_draft_costs
-from selfspec.drafting.early_exit import EarlyExitDrafter
-from selfspec.drafting.policies import CostAwarePolicy, DepthBandit, ThompsonPolicy, make_policy
-from selfspec.engine import MAX_TREE_NODES, Engine, validate_request
+from selfspec.drafting.registry import build_draft
+from selfspec.engine import Engine
 from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplateError
 from selfspec.heads.base import ExitHead
-from selfspec.heads.io import load_head, new_head, read_head_config
+from selfspec.heads.io import resolve_head
 from selfspec.models.split import SplitModel
 from selfspec.outputs import GenerationResult, RequestOutput, StreamEvent
-from selfspec.specee.decode import DEFAULT_THRESHOLDS, SpecEERunner, SpecEESettings
-from selfspec.specee.predictors import has_predictors, load_predictors
 from selfspec.tuning import Tuning, head_depths, tuned
 
 Prompt = str | list[dict[str, str]] | list[int]
-MAX_AUTO_GAMMA = 8  # the longest draft the cost-aware choice considers
-LOOKUP_PRIOR = 0.5  # prior acceptance of lookup drafts per position (then learned from every lookup round)
-
-
-def bundled_head_dir(model_id: str) -> Any:
-    """The trained head shipped with selfspec for a model, if any (see docs/TRAINING.md)."""
-    from importlib.resources import files
-
-    path = files("selfspec") / "assets" / "heads" / model_id
-    return path if path.joinpath("head_config.json").is_file() else None
 
 
 class SelfSpec:
@@ -69,105 +56,22 @@ class SelfSpec:
 
     # ---- draft setup ----------------------------------------------------------------
     def make_head(self, draft: DraftConfig) -> ExitHead:
-        spec = draft.head
-        if spec == "auto":
-            bundled = bundled_head_dir(self.model_id)
-            spec = str(bundled) if bundled is not None and draft.exit_layer in (None, _layer_of(bundled)) else "lm"
-        if spec == "nested":
-            bundled = bundled_head_dir(self.model_id + "-nested")
-            if bundled is None:
-                raise InvalidConfigError(f"no bundled nested head for '{self.model_id}': train one with "
-                                         "`selfspec train-nested` and pass its directory as the head")
-            spec = str(bundled)
-        if spec == "lm":
-            k = draft.exit_layer if draft.exit_layer is not None else max(1, self.split.num_layers // 4)
-            return new_head("lm", self.split, k)
-        return load_head(spec, self.split, draft.exit_layer)
+        """The exit head ``draft.head`` names, at ``draft.exit_layer`` (``selfspec.heads.io.resolve_head``)."""
+        return resolve_head(draft.head, self.split, self.model_id, draft.exit_layer)
 
     def set_draft(self, draft: DraftConfig) -> None:
-        """Switch exit layer / head / policy / gamma without reloading the model. With ``gamma=None`` the
-        draft is adaptive: its shape comes from a cached calibration (``tune``, selfspec.tuning) and the
-        length of each round from forward costs measured here and the acceptance seen so far (a Thompson
-        posterior per request, or ``CostAwarePolicy``)."""
-        head = self.make_head(draft)
-        if draft.lookup < 0 or draft.lookup_ngram < 2:
-            raise InvalidConfigError(f"lookup must be >= 0 and lookup_ngram >= 2, got {draft.lookup}, "
-                                     f"{draft.lookup_ngram}")
-        if draft.tree_width is not None and draft.tree_width < 0:
-            raise InvalidConfigError(f"tree_width must be >= 0, got {draft.tree_width}")
-        tuning = None
-        if draft.gamma is None and draft.tune != "off":
-            tuning = self.tuning(head, refresh=draft.tune == "refresh")
-            if draft.exit_layer is None and tuning.exit_layer in head_depths(head):
-                head.exit_layer = tuning.exit_layer
-            draft = replace(draft, tree_width=tuning.tree_width if draft.tree_width is None else draft.tree_width,
-                            depth_policy=draft.depth_policy or tuning.depth_policy)
-        if draft.tree_width is None:  # the head's measured best, else chains
-            width = head.recommended_draft.get("tree_width", 0)
-            draft = replace(draft, tree_width=width if head.supports_tree else 0)
-        if draft.tree_width > 1 and (not head.supports_tree or self.split.kernel.endswith("int8")):
-            # int8 numerics: tree blocks attend through SDPA, which does not give single steps' rows bitwise
-            draft = replace(draft, tree_width=0)
-        name = draft.policy if draft.policy != "auto" else ("thompson-confidence" if tuning else "confidence")
-        threshold = draft.threshold
-        if threshold is None:  # the calibration's confidence stop, else 0.5 (measured best for the bundled head)
-            threshold = tuning.threshold if tuning is not None else 0.5
-            draft = replace(draft, threshold=threshold)
-        base = make_policy(name, threshold)
-        policy, gamma, lookup_policy = base, draft.gamma, None
-        if name.startswith("thompson") or gamma is None:
-            thompson = name.startswith("thompson")  # only a Thompson policy drafts at other depths (the bandit)
-            costs = {d: self.draft_costs(head, draft, d) for d in (head_depths(head) if thompson else [head.exit_layer])}
-            shaped = {d: replace(c, tree_width=draft.tree_width) if draft.tree_width > 1 else c for d, c in costs.items()}
-            k = head.exit_layer
-            if thompson:
-                arms = {d: ThompsonPolicy(base, shaped[d], tuning.prior(d) if tuning else 0.35) for d in shaped}
-                policy = DepthBandit(arms, k) if draft.depth_policy == "bandit" and len(arms) > 1 else arms[k]
-            else:
-                policy = CostAwarePolicy(base, shaped[k])
-            if gamma is None and tuning is None:
-                lookup_policy = CostAwarePolicy(make_policy("fixed"), costs[k].for_lookup(), prior=LOOKUP_PRIOR)
-            # Self-tuned: lookup blocks at full length (`lookup`) whenever there is a match. In the 20-per-group
-            # ablation (docs/BENCHMARKS.md) the cost-aware lookup length cost the adaptive drafts 0.2x hf.
-            if gamma is None:
-                gamma = MAX_AUTO_GAMMA
-                if draft.tree_width > 1:
-                    gamma = max(1, min(MAX_AUTO_GAMMA, (MAX_TREE_NODES - 1) // draft.tree_width))
-                if tuning is not None:  # the calibrated cap (the replayed optimum; 1 when nothing paid, to explore)
-                    gamma = min(gamma, max(tuning.gamma, 1))
-        drafter = EarlyExitDrafter(self.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy)
-        specee = self.specee_runner(head, drafter, draft)
-        self.engine = Engine(self.split, drafter, gamma=gamma, tree_width=draft.tree_width, specee=specee)
-        self.draft_config = replace(draft, exit_layer=head.exit_layer, policy=name)
-        self.head, self.tuning_result = head, tuning
+        """Switch the way to draft (``drafter``), exit layer, head, policy or gamma without reloading the model
+        (see DraftConfig; the early-exit drafter's setup: ``selfspec.drafting.setup``)."""
+        built = build_draft(self, draft)
+        self.engine = Engine(self.split, built.drafter, gamma=built.gamma, tree_width=built.tree_width,
+                             specee=built.specee)
+        self.draft_config, self.head, self.tuning_result = built.draft, built.head, built.tuning
 
     def tuning(self, head: ExitHead | None = None, refresh: bool = False) -> Tuning:
         """The self-tuning calibration of ``head`` (default: the current one) on this machine (cached)."""
         head = head or self.head
         costs = {d: self.draft_costs(head, None, d) for d in head_depths(head)}
         return tuned(self.split, head, self.tokenizer, refresh=refresh, costs=costs)
-
-    def specee_runner(self, head: ExitHead, drafter: EarlyExitDrafter, draft: DraftConfig) -> SpecEERunner | None:
-        """SpecEE over ``head``'s candidates, when predictors are found (``DraftConfig.predictors``)."""
-        if draft.specee_threshold is not None and not 0.0 <= draft.specee_threshold <= 1.0:
-            raise InvalidConfigError(f"specee_threshold must be in [0, 1], got {draft.specee_threshold}")
-        if draft.specee_window < 0 or draft.specee_radius < 0:
-            raise InvalidConfigError(f"specee_window and specee_radius must be >= 0, got {draft.specee_window}, "
-                                     f"{draft.specee_radius}")
-        if draft.predictors == "none":
-            return None
-        where = head.source if draft.predictors == "auto" else draft.predictors
-        if where is None or (draft.predictors == "auto" and not has_predictors(where)):
-            return None
-        preds = load_predictors(where, head.exit_layer, self.split.num_layers)
-        thresholds = {**DEFAULT_THRESHOLDS, **preds.meta.get("thresholds", {})}
-        if draft.specee_threshold is not None:
-            thresholds = dict.fromkeys(thresholds, draft.specee_threshold)
-        max_layer = draft.specee_max_layer if draft.specee_max_layer is not None else preds.meta.get("max_layer")
-        settings = SpecEESettings(thresholds, draft.specee_window, draft.specee_radius,
-                                  draft.gamma if draft.gamma is not None else SpecEESettings.max_drafts,
-                                  max_layer=max_layer)
-        return SpecEERunner(self.split, drafter, preds, settings)
 
     def _cost_key(self, head: ExitHead, depth: int) -> tuple:
         return depth, head.source or "lm", head.kind, len(head.vocab_ids)
@@ -274,13 +178,8 @@ class SelfSpec:
         configs = config if isinstance(config, list) else [config] * len(prompts)
         if len(configs) != len(prompts):
             raise InvalidConfigError(f"generate_batch: {len(prompts)} prompts but {len(configs)} generation configs")
-        cfgs = [self.resolve(c, **overrides) for c in configs]
-        ids = [self.encode(p) for p in prompts]
         sched = self.scheduler(batch or BatchConfig(max_batch=max(1, len(prompts))))
-        for i, c in zip(ids, cfgs):  # every request checked before any is added
-            validate_request(len(i), c, self.split.context_length)
-            self.engine.check_method(c.method)
-        reqs = [sched.add(i, c) for i, c in zip(ids, cfgs)]
+        reqs = sched.add_all([self.encode(p) for p in prompts], [self.resolve(c, **overrides) for c in configs])
         while sched.busy:
             sched.step_events()
         return [r.output.result for r in reqs]
@@ -292,8 +191,4 @@ class SelfSpec:
             result = ev.result
         assert result is not None
         return result
-
-
-def _layer_of(head_dir: Any) -> int:
-    return int(read_head_config(head_dir)["exit_layer"])
 

@@ -67,6 +67,12 @@ class ModelConfig:
 class DraftConfig:
     """How the draft is made: exit layer, exit head, drafting policy."""
 
+    drafter: str = opt(
+        "early-exit",
+        "How drafts are made: a registered drafter's name. 'early-exit': the target's first layers + an exit "
+        "head, with lookup drafts (every setting below); others are added with "
+        "selfspec.drafting.registry.register_drafter.",
+    )
     exit_layer: int | None = opt(
         None,
         "Exit layer k: the draft runs target layers [0, k). None: the head's own layer, else L // 4 "

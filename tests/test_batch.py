@@ -11,7 +11,7 @@ from conftest import ARCHS, LAYERS, hf_greedy, tiny_model
 from test_engine_equality import NEW, prompt_of
 
 from selfspec import SelfSpec
-from selfspec.batch.scheduler import BatchConfig
+from selfspec.batch.scheduler import BatchConfig, decode_batch
 from selfspec.config import GenerateConfig
 from selfspec.errors import InvalidConfigError
 
@@ -27,7 +27,7 @@ def test_batched_greedy_equals_each_request_alone(arch):
     prompts = [prompt_of(n, n + 5) for n in LENGTHS]
     gens = [GenerateConfig(max_new_tokens=NEW - 3 * j, ignore_eos=True) for j in range(len(prompts))]  # ragged ends
     with torch.inference_mode():
-        outs = ss.engine.generate_batch(prompts, gens)
+        outs = decode_batch(ss.engine, prompts, gens)
     for j, (p, out) in enumerate(zip(prompts, outs)):
         assert out == hf_greedy(model, p, NEW - 3 * j), (arch, j)
 
@@ -39,22 +39,22 @@ def test_eos_at_different_times_and_seeded_sampling_per_request():
     alone = [hf_greedy(model, p, NEW) for p in prompts]
     eos = alone[0][3]  # the first request emits it at its 4th token; the others whenever they do, if at all
     with torch.inference_mode():
-        outs = ss.engine.generate_batch(prompts, [GenerateConfig(max_new_tokens=NEW) for _ in prompts], [eos])
+        outs = decode_batch(ss.engine, prompts, [GenerateConfig(max_new_tokens=NEW) for _ in prompts], [eos])
     assert outs == [hf_greedy(model, p, NEW, eos=[eos]) for p in prompts]
     assert len(outs[0]) == 4 and max(len(o) for o in outs) > 4  # finished at different times
     gens = [GenerateConfig(max_new_tokens=12, temperature=0.9, top_k=20 if j % 2 else 0, seed=j, ignore_eos=True)
             for j in range(len(prompts))]
     with torch.inference_mode():
-        batched = ss.engine.generate_batch(prompts, gens)
-        each = [ss.engine.generate_batch([p], [g])[0] for p, g in zip(prompts, gens)]
+        batched = decode_batch(ss.engine, prompts, gens)
+        each = [decode_batch(ss.engine, [p], [g])[0] for p, g in zip(prompts, gens)]
     assert batched == each
     assert [ss.generate(p, gens[j], method="plain").token_ids for j, p in enumerate(prompts)] == batched
     with pytest.raises(InvalidConfigError, match="2 prompts but 1"):
-        ss.engine.generate_batch(prompts[:2], gens[:1])
+        decode_batch(ss.engine, prompts[:2], gens[:1])
     from selfspec.errors import EmptyPromptError
 
     with pytest.raises(EmptyPromptError):  # the bad request is found before the good one is prefilled
-        ss.engine.generate_batch([prompts[0], []], gens[:2])
+        decode_batch(ss.engine, [prompts[0], []], gens[:2])
 
 
 @pytest.mark.slow
@@ -64,8 +64,8 @@ def test_batched_greedy_on_the_default_model(default_ss):
     eos = default_ss.eos_token_ids
     with torch.inference_mode():
         gens = [GenerateConfig(max_new_tokens=24) for _ in prompts]
-        outs = default_ss.engine.generate_batch(prompts, gens, eos)
-        spec = default_ss.engine.generate_batch(prompts, gens, eos, method="selfspec")
+        outs = decode_batch(default_ss.engine, prompts, gens, eos)
+        spec = decode_batch(default_ss.engine, prompts, gens, eos, method="selfspec")
     assert outs == [hf_greedy(default_ss.model, p, 24, eos=eos) for p in prompts] == spec
     from selfspec.batch.scheduler import Scheduler
 
@@ -98,7 +98,7 @@ def test_batched_speculative_greedy_equals_each_request_alone(arch):
         gens = [GenerateConfig(max_new_tokens=NEW - 3 * j, ignore_eos=True) for j in range(len(prompts))]
         stats: list = []
         with torch.inference_mode():
-            outs = ss.engine.generate_batch(prompts, gens, method="selfspec", stats=stats, batch=DRAFTING)
+            outs = decode_batch(ss.engine, prompts, gens, method="selfspec", stats=stats, batch=DRAFTING)
         for j, (p, out) in enumerate(zip(prompts, outs)):
             assert out == hf_greedy(ss.model, p, NEW - 3 * j), (arch, tree_width, j)
         accepts = [a for st in stats for a in st.accept_lengths]
@@ -111,16 +111,16 @@ def test_batched_speculative_sampling_and_eos_per_request():
     prompts = [prompt_of(n, n + 5) for n in LENGTHS]
     gens = [GenerateConfig(max_new_tokens=12, temperature=0.8, seed=10 + j, ignore_eos=True) for j in range(4)]
     with torch.inference_mode():
-        batched = ss.engine.generate_batch(prompts, gens, method="selfspec", batch=DRAFTING)
+        batched = decode_batch(ss.engine, prompts, gens, method="selfspec", batch=DRAFTING)
     assert batched == [ss.generate(p, g).token_ids for p, g in zip(prompts, gens)]  # method selfspec, alone
     alone = [hf_greedy(ss.model, p, NEW) for p in prompts]
     eos = alone[1][5]
     with torch.inference_mode():
-        outs = ss.engine.generate_batch(prompts, [GenerateConfig(max_new_tokens=NEW)] * 4, [eos], method="selfspec",
+        outs = decode_batch(ss.engine, prompts, [GenerateConfig(max_new_tokens=NEW)] * 4, [eos], method="selfspec",
                                         batch=DRAFTING)
     assert outs == [hf_greedy(ss.model, p, NEW, eos=[eos]) for p in prompts] and len(outs[1]) <= 6
     with pytest.raises(InvalidConfigError, match="needs SpecEE predictors"):
-        ss.engine.generate_batch(prompts, gens, method="specee")
+        decode_batch(ss.engine, prompts, gens, method="specee")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -176,7 +176,7 @@ def test_generate_batch_text_equals_generate_alone(default_ss):
 def test_padded_eqspec_realigns_and_stays_exact(arch):
     """EQSPEC's padded layout: one cache for the batch, left padding, the same draft length for every row,
     a realignment after every verification and finished rows dropped; every output equals greedy alone."""
-    from selfspec.batch.padded import PaddedBatch
+    from selfspec.bench.eqspec import PaddedBatch
     from selfspec.heads.io import new_head
     from selfspec.models.split import SplitModel
 
@@ -213,5 +213,5 @@ def test_adaptive_policies_batched_equal_alone():
         ss.set_draft(DraftConfig(exit_layer=LAYERS - 1, head="lm", gamma=gamma, tune="off", policy=policy, lookup=4))
         gens = [GenerateConfig(max_new_tokens=14, temperature=0.8, seed=j, ignore_eos=True) for j in range(4)]
         with torch.inference_mode():
-            batched = ss.engine.generate_batch(prompts, gens, method="selfspec", batch=DRAFTING)
+            batched = decode_batch(ss.engine, prompts, gens, method="selfspec", batch=DRAFTING)
         assert batched == [ss.generate(p, g).token_ids for p, g in zip(prompts, gens)], policy

@@ -52,7 +52,7 @@ def test_default_model_greedy_equals_transformers(default_ss):
 @pytest.mark.slow
 def test_default_model_lossless_with_bundled_trained_head(default_ss):
     """The trained head shipped for the default model (selfspec/assets/heads) changes speed, never text."""
-    from selfspec.api import bundled_head_dir
+    from selfspec.heads.io import bundled_head_dir
 
     ss = default_ss
     bundled = bundled_head_dir(ss.model_id)

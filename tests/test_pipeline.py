@@ -125,15 +125,15 @@ def test_pipelined_sampling_keeps_the_distribution(monkeypatch):
         assert a == pipe.generate(PROMPT, gen, max_new_tokens=12, seed=3)[0]  # seeded: reproducible
     assert piped < max(1.5 * plain, plain + 0.03)
 
-    from selfspec.pipeline import deep
+    from selfspec import round as core  # the deep stage verifies with the round core's verify_chain
 
     def accept_all(drafts, q, target, generator):  # a broken verifier: every (greedy) draft accepted
-        res = deep.greedy_verify(drafts, target)
+        res = core.greedy_verify(drafts, target)
         res.num_accepted[:] = drafts.shape[1]
         res.next_token[:] = torch.multinomial(target[0, -1], 1, generator=generator)
         return res
 
-    monkeypatch.setattr(deep, "speculative_verify", accept_all)
+    monkeypatch.setattr(core, "speculative_verify", accept_all)
     with Pipeline.of(ss, PipelineConfig(transport="thread", gamma=2)) as pipe:
         broken = _third_token_tv(lambda s: pipe.generate(PROMPT, gen, seed=20_000 + s, draft_sampling="greedy")[0],
                                  n, ss.model)

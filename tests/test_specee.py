@@ -12,6 +12,7 @@ import torch
 from conftest import ARCHS, LAYERS, VOCAB, hf_greedy, tiny_model, tiny_tokenizer
 
 from selfspec import DraftConfig, GenerateConfig, SelfSpec
+from selfspec.batch.scheduler import decode_batch
 from selfspec.errors import HeadMismatchError, InvalidConfigError
 from selfspec.specee.candidates import CandidateScorer, candidate_features, candidate_logits, features_list
 from selfspec.specee.predictors import ExitPredictors, load_predictors
@@ -269,5 +270,5 @@ def test_specee_requests_step_alone_inside_a_batch(tmp_path):
     prompts = [PROMPT, PROMPT[:5], PROMPT[2:]]
     gens = [ss.resolve(max_new_tokens=12, ignore_eos=True, method=m) for m in ("specee-verified", "specee", "plain")]
     with torch.inference_mode():
-        batched = ss.engine.generate_batch(prompts, gens, method=None)
+        batched = decode_batch(ss.engine, prompts, gens, method=None)
     assert batched == [ss.generate(p, g).token_ids for p, g in zip(prompts, gens)]

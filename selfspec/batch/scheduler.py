@@ -7,7 +7,7 @@
             ...                            # block: the tokens req accepted this step (EOS cut, length cut)
         b = sched.add(...)                 # joins at the next step; sched.cancel(a) leaves now
 
-Each step is one ``Engine.step_batch``: newcomers' prompts, plain steps and every speculative
+Each step is one batched round (``selfspec.batch.step``): newcomers' prompts, plain steps and every speculative
 sequence's own draft block (chain, lookup match or token tree) go through the layers together,
 each sequence over its own KV cache, so any mix of lengths, block sizes and acceptance steps
 together with no padding and no realignment (EXSPEC's "pool of sequences that can step
@@ -27,8 +27,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import torch
+
+from selfspec import round as core
+from selfspec.batch.step import BatchEntry, step
 from selfspec.config import GenerateConfig, opt
-from selfspec.engine import BatchEntry, Engine, validate_request
+from selfspec.engine import Engine, validate_request
 from selfspec.errors import InvalidConfigError
 from selfspec.outputs import RequestOutput, StreamEvent
 from selfspec.specee.decode import SPECEE_METHODS
@@ -111,6 +115,16 @@ class Scheduler:
         self.waiting.append(req)
         return req
 
+    def add_all(self, prompts: list[list[int]], gens: list[GenerateConfig]) -> list[BatchRequest]:
+        """Queue several requests, every one checked before any is added (one bad request leaves the pool
+        untouched)."""
+        if len(prompts) != len(gens):
+            raise InvalidConfigError(f"{len(prompts)} prompts but {len(gens)} generation configs")
+        for ids, gen in zip(prompts, gens):
+            validate_request(len(ids), gen, self.engine.split.context_length)
+            self.engine.check_method(gen.method)
+        return [self.add(ids, gen) for ids, gen in zip(prompts, gens)]
+
     def cancel(self, req: BatchRequest) -> None:
         """Take a request out now (a client gone, a stop string found by the caller); frees its slot."""
         req.done = True
@@ -149,8 +163,6 @@ class Scheduler:
     def step(self) -> list[tuple[BatchRequest, list[int]]]:
         """Admit waiting requests into free slots (their prefill is this step's round for them), run one
         round for every running request, and return each one's new tokens. Finished requests leave."""
-        import torch
-
         new = set(map(id, self._admit()))
         if not self.running:
             return []
@@ -163,7 +175,7 @@ class Scheduler:
                               r.prompt_ids if id(r) in new else None, *(caps if r.gen.greedy else self.config.caps(1)))
                    for r in batch]
         with torch.inference_mode():
-            blocks = dict(zip(map(id, batch), self.engine.step_batch(entries))) if entries else {}
+            blocks = dict(zip(map(id, batch), step(self.engine, entries))) if entries else {}
             for r in self.running:
                 if r.solo is not None:
                     blocks[id(r)] = next(r.solo, [])
@@ -172,15 +184,13 @@ class Scheduler:
         out = []
         elapsed = time.perf_counter() - t0
         for r in list(self.running):
-            block = blocks[id(r)][: r.remaining]
-            if r.eos & set(block):  # cut after the first EOS
-                block = block[: next(i for i, t in enumerate(block) if t in r.eos) + 1]
+            block, finished = core.cut(blocks[id(r)], r.remaining, r.eos)
             r.out.extend(block)
             if id(r) in new and r.solo is None:
                 r.stats.prefill_time = elapsed
             r.stats.new_tokens = len(r.out)
             r.stats.wall_time = time.perf_counter() - (r.started or t0)
-            if not block or r.remaining <= 0 or (r.eos & set(block)):
+            if not block or finished:
                 r.done = True
                 self.running.remove(r)
                 if r.solo is not None:
@@ -192,6 +202,22 @@ class Scheduler:
         """Step until every request added so far has finished."""
         while self.busy:
             self.step()
+
+
+def decode_batch(engine: Engine, prompts: list[list[int]], gens: list[GenerateConfig],
+                 eos_token_ids: list[int] | None = None, method: str | None = "plain",
+                 stats: list[GenerationStats] | None = None, batch: BatchConfig | None = None) -> list[list[int]]:
+    """Several requests decoded together (all admitted at once unless ``batch.max_batch`` is smaller), each with
+    its own prompt length, settings and seed, each until its ``max_new_tokens`` or, unless it ignores EOS, an
+    EOS token. ``method`` decodes every request that way (None: each its own ``gen.method``). Each output
+    equals that request's own batch-1 output. -> new token ids per request, EOS included (``stats``, when
+    given, gets one entry per request)."""
+    sched = Scheduler(engine, batch or BatchConfig(max_batch=max(1, len(prompts))), eos_token_ids)
+    reqs = sched.add_all(prompts, [g if method is None else replace(g, method=method) for g in gens])
+    sched.run()
+    if stats is not None:
+        stats.extend(r.stats for r in reqs)
+    return [r.out for r in reqs]
 
 
 class TextScheduler(Scheduler):

@@ -76,7 +76,7 @@ class Runner:
     """The methods over one loaded model; each ``run`` decodes one group -> (outputs, wall, latencies, extra)."""
 
     def __init__(self, ss: Any, cfg: BatchBenchConfig) -> None:
-        from selfspec.batch.padded import PaddedBatch
+        from selfspec.bench.eqspec import PaddedBatch
         from selfspec.drafting.early_exit import EarlyExitDrafter
         from selfspec.drafting.policies import make_policy
         from selfspec.engine import Engine

@@ -159,8 +159,7 @@ def range_weights(split: SplitModel, head, exit_layer: int) -> dict[str, int]:
 
 def default_exit_layer(ss: SelfSpec) -> int:
     """The bundled trained head's exit layer when the model has one, else L // 4 (at least 1)."""
-    from selfspec.api import bundled_head_dir
-    from selfspec.heads.io import read_head_config
+    from selfspec.heads.io import bundled_head_dir, read_head_config
 
     bundled = bundled_head_dir(ss.model_id)
     if bundled is not None:

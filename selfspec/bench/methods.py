@@ -109,8 +109,7 @@ def split_specs(values: list[str]) -> list[str]:
 
 def trained_head(cfg: BenchConfig, ss: SelfSpec) -> str | None:
     """The trained head directory of the ``selfspec-trained`` presets, or None when there is none."""
-    from selfspec.api import bundled_head_dir
-    from selfspec.heads.io import read_head_config
+    from selfspec.heads.io import bundled_head_dir, read_head_config
 
     if cfg.head in ("", "lm", "none"):
         return None
@@ -232,11 +231,11 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
         if values.get("head") == "trained":
             values["head"] = _need_trained(cfg, ss, spec)
         if values.get("head") == "auto":  # DraftConfig's 'auto': the bundled head if any, else lm
-            from selfspec.api import bundled_head_dir
+            from selfspec.heads.io import bundled_head_dir
 
             values["head"] = str(bundled_head_dir(ss.model_id) or "lm")
         if values.get("head") == "nested":  # the bundled nested (multi-depth) head
-            from selfspec.api import bundled_head_dir
+            from selfspec.heads.io import bundled_head_dir
 
             nested = bundled_head_dir(ss.model_id + "-nested")
             if nested is None:

@@ -7,6 +7,9 @@ from typing import Any, Protocol
 
 import torch
 
+from selfspec.config import GenerateConfig
+from selfspec.state import SequenceState
+
 
 @dataclass
 class DraftBlock:
@@ -33,14 +36,97 @@ class DraftBlock:
 
 
 class Drafter(Protocol):
+    """What the decode loops (``selfspec.round``, ``selfspec.engine``, ``selfspec.batch``) ask of a way to draft.
+
+    ``BaseDrafter`` implements every method with the behaviour of a drafter that shares no layers with
+    the target and keeps no state; a new way to draft subclasses it, overrides ``propose`` (and whatever
+    else it needs) and is registered by name (``selfspec.drafting.registry.register_drafter``)."""
+
     exit_layer: int  # layers [0, exit_layer) are shared with the target (0: none shared)
+    supports_tree: bool  # propose_tree works (token trees, EAGLE-2 style)
 
-    def start(self, seq, prompt_exit_states: torch.Tensor) -> None:
-        """After the prompt's prefill (e.g. give a stateful exit head the prompt's exit states)."""
+    def begin(self, seq: SequenceState, seed: int | None) -> None:
+        """Before a request's prefill: its own per-request state (e.g. a seeded adaptive policy)."""
 
-    def propose(self, seq, max_drafts: int, gen, limit: int | None = None) -> DraftBlock:
-        """Propose up to ``max_drafts`` tokens after ``seq.pending`` (drafts that cost nothing to
-        propose, such as lookup matches, up to ``limit``); may write the shallow KV cache."""
+    def depth_of(self, seq: SequenceState) -> int:
+        """The exit depth of ``seq``'s next round: a prefill captures the states after this many layers."""
 
-    def accepted(self, seq, block: DraftBlock, num_accepted: int) -> None:
-        """After verification rolled ``seq`` back to its accepted length: sync own state, learn."""
+    def next_depth(self, seq: SequenceState) -> int:
+        """At the start of a round: the depth this round drafts at (a depth policy may change it)."""
+
+    def max_drafts(self, seq: SequenceState, gamma: int) -> int:
+        """At most this many drafts this round (its policy's choice, at most ``gamma``)."""
+
+    def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor | None,
+              prompt_final_states: torch.Tensor | None = None) -> None:
+        """After the prompt's prefill, with its states after ``depth_of(seq)`` layers and after the last one
+        ``# [1, P, hidden]`` (e.g. a stateful exit head catches up on the prompt)."""
+
+    def lookup_drafts(self, seq: SequenceState, limit: int) -> list[int]:
+        """Drafts that cost no model work (an n-gram match), at most ``limit``; [] when there are none."""
+
+    def lookup_available(self, seq: SequenceState) -> bool:
+        """Whether ``lookup_drafts`` would give a block now."""
+
+    def propose(self, seq: SequenceState, max_drafts: int, gen: GenerateConfig,
+                limit: int | None = None) -> DraftBlock:
+        """Up to ``max_drafts`` tokens after ``seq.pending`` (free drafts such as lookup matches up to
+        ``limit``); may write the shallow layers' KV cache."""
+
+    def propose_chains(self, seqs: list[SequenceState], max_drafts: list[int], gens: list[GenerateConfig],
+                       depths: list[int] | None = None) -> list[DraftBlock]:
+        """One chain per sequence (a batched round), each equal to that sequence's own ``propose``."""
+
+    def propose_tree(self, seq: SequenceState, depth: int, width: int, limit: int) -> DraftBlock:
+        """A token tree of ``depth`` levels and ``width`` nodes per level (when ``supports_tree``)."""
+
+    def accepted(self, seq: SequenceState, block: DraftBlock, num_accepted: int,
+                 final_states: torch.Tensor | None = None, proposed: int | None = None,
+                 observe: bool = True) -> None:
+        """After verification rolled ``seq`` back to its accepted length: sync own state; learn (``observe``)."""
+
+
+class BaseDrafter:
+    """A drafter that shares no layers with the target and keeps no state: override ``propose``. Its blocks
+    carry no exit states, so their rows go through every layer from the embeddings to be verified."""
+
+    exit_layer = 0
+    supports_tree = False
+
+    def begin(self, seq: SequenceState, seed: int | None) -> None:
+        return None
+
+    def depth_of(self, seq: SequenceState) -> int:
+        return self.exit_layer
+
+    def next_depth(self, seq: SequenceState) -> int:
+        return self.depth_of(seq)
+
+    def max_drafts(self, seq: SequenceState, gamma: int) -> int:
+        return gamma
+
+    def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor | None,
+              prompt_final_states: torch.Tensor | None = None) -> None:
+        return None
+
+    def lookup_drafts(self, seq: SequenceState, limit: int) -> list[int]:
+        return []
+
+    def lookup_available(self, seq: SequenceState) -> bool:
+        return False
+
+    def propose(self, seq: SequenceState, max_drafts: int, gen: GenerateConfig,
+                limit: int | None = None) -> DraftBlock:
+        raise NotImplementedError
+
+    def propose_chains(self, seqs: list[SequenceState], max_drafts: list[int], gens: list[GenerateConfig],
+                       depths: list[int] | None = None) -> list[DraftBlock]:
+        return [self.propose(s, m, g) for s, m, g in zip(seqs, max_drafts, gens)]
+
+    def propose_tree(self, seq: SequenceState, depth: int, width: int, limit: int) -> DraftBlock:
+        raise NotImplementedError(f"{type(self).__name__} drafts no token trees")
+
+    def accepted(self, seq: SequenceState, block: DraftBlock, num_accepted: int,
+                 final_states: torch.Tensor | None = None, proposed: int | None = None,
+                 observe: bool = True) -> None:
+        return None

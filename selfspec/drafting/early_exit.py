@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.drafting.base import DraftBlock
+from selfspec.config import GenerateConfig
+from selfspec.drafting.base import BaseDrafter, DraftBlock
 from selfspec.drafting.lookup import NgramIndex
-from selfspec.drafting.policies import FixedPolicy
+from selfspec.drafting.policies import DraftPolicy, FixedPolicy
 from selfspec.drafting.tree import TokenTree
 from selfspec.heads.base import ExitHead
 from selfspec.models.split import SplitModel
@@ -36,22 +37,25 @@ from selfspec.sampling import greedy, logits_to_probs, sample
 from selfspec.state import SequenceState
 
 
-class EarlyExitDrafter:
-    def __init__(self, split: SplitModel, head: ExitHead, policy: FixedPolicy, lookup: int = 0,
-                 lookup_ngram: int = 3, lookup_policy: FixedPolicy | None = None) -> None:
+class EarlyExitDrafter(BaseDrafter):
+    def __init__(self, split: SplitModel, head: ExitHead, policy: DraftPolicy, lookup: int = 0,
+                 lookup_ngram: int = 3, lookup_policy: DraftPolicy | None = None) -> None:
         self.split, self.head, self.policy = split, head, policy
         self.exit_layer = head.exit_layer
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
-        self.lookup_policy = lookup_policy or FixedPolicy()
+        self.lookup_policy: DraftPolicy = lookup_policy or FixedPolicy()
 
     def begin(self, seq: SequenceState, seed: int | None) -> None:
         """Before a request's prefill: its own policy state (seeded) and its first exit depth."""
-        policy = self.policy
-        seq.policy = policy.for_request(seed) if hasattr(policy, "for_request") else policy
-        seq.depth = getattr(seq.policy, "depth", None) or self.exit_layer
+        seq.policy = self.policy.for_request(seed)
+        seq.depth = seq.policy.depth or self.exit_layer
 
-    def policy_of(self, seq: SequenceState):
+    def policy_of(self, seq: SequenceState) -> DraftPolicy:
         return seq.policy if seq.policy is not None else self.policy
+
+    def max_drafts(self, seq: SequenceState, gamma: int) -> int:
+        """This round's most drafts: the sequence's policy decides (at the start of every round)."""
+        return self.policy_of(seq).max_drafts(gamma)
 
     def depth_of(self, seq: SequenceState) -> int:
         """The exit depth of ``seq``'s next round (the head's own layer unless a depth policy chose another)."""
@@ -59,7 +63,7 @@ class EarlyExitDrafter:
 
     def next_depth(self, seq: SequenceState) -> int:
         """At the start of a round: take the depth the policy chose (DepthBandit), if any."""
-        depth = getattr(self.policy_of(seq), "depth", None)
+        depth = self.policy_of(seq).depth
         if depth is not None:
             seq.depth = depth
         return self.depth_of(seq)
@@ -68,7 +72,7 @@ class EarlyExitDrafter:
         """Exit states as the head reads them (a nested head maps each depth into one space, heads.nested)."""
         return self.head.project(h, depth) if self.head.needs_context else h
 
-    def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor,
+    def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor | None,
               prompt_final_states: torch.Tensor | None = None) -> None:
         """After the prompt's prefill: a stateful head must still see the prompt's exit states
         ``# [1, P, hidden]``; a deep-context head also keeps the final states ``# [1, P, hidden]``."""
@@ -145,7 +149,8 @@ class EarlyExitDrafter:
         """Whether a lookup block would be proposed now (the text's last n-gram occurred before)."""
         return self.lookup > 0 and bool(seq.tokens) and bool(self._ngram_index(seq).continuation(1))
 
-    def propose(self, seq: SequenceState, max_drafts: int, gen, limit: int | None = None) -> DraftBlock:
+    def propose(self, seq: SequenceState, max_drafts: int, gen: GenerateConfig,
+                limit: int | None = None) -> DraftBlock:
         k = self.next_depth(seq)
         if self.lookup > 0 and seq.tokens:
             block = self._lookup(seq, max_drafts if limit is None else limit)
@@ -153,7 +158,7 @@ class EarlyExitDrafter:
                 return block
         return self.propose_chains([seq], [max_drafts], [gen], [k])[0]
 
-    def propose_chains(self, seqs: list[SequenceState], max_drafts: list[int], gens: list,
+    def propose_chains(self, seqs: list[SequenceState], max_drafts: list[int], gens: list[GenerateConfig],
                        depths: list[int] | None = None) -> list[DraftBlock]:
         """Early-exit chains for several sequences drafted in lockstep: at each position the current token of
         every sequence still drafting goes through layers [0, k) in one ragged pass (each over its own cache),
@@ -174,7 +179,7 @@ class EarlyExitDrafter:
         return [c.block() for c in chains]
 
     @property
-    def supports_tree(self) -> bool:
+    def supports_tree(self) -> bool:  # type: ignore[override]
         return self.head.supports_tree
 
     def propose_tree(self, seq: SequenceState, depth: int, width: int, limit: int) -> DraftBlock:
@@ -260,7 +265,7 @@ class _Chain:
         self.p, self.tok = seq.length, seq.pending
         self.policy = drafter.policy_of(seq)
         self.sampled = not gen.greedy and gen.draft_sampling == "sample"
-        self.want_conf = getattr(self.policy, "needs_confidence", False)
+        self.want_conf = self.policy.needs_confidence
         self.states: list[torch.Tensor] = []
         self.tokens: list[int] = []
         self.probs: list[torch.Tensor] = []

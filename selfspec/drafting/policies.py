@@ -24,6 +24,10 @@ from selfspec.errors import InvalidConfigError
 
 class DraftPolicy(Protocol):
     name: str
+    needs_confidence: bool  # keep() reads the draft's top-1 probability (else the drafter passes 1.0)
+    depth: int | None  # the exit depth this round drafts at (a depth bandit), None: the head's own
+
+    def for_request(self, seed: int | None) -> DraftPolicy: ...
 
     def max_drafts(self, gamma: int) -> int: ...
 
@@ -37,6 +41,7 @@ class FixedPolicy:
 
     name = "fixed"
     needs_confidence = False
+    depth: int | None = None
 
     def max_drafts(self, gamma: int) -> int:
         return gamma
@@ -76,6 +81,8 @@ class CostAwarePolicy:
     When no draft length beats plain decoding it proposes 0 drafts (a plain step), but every
     ``explore_every``-th round tries one draft so the estimate can recover.
     """
+
+    depth: int | None = None
 
     def __init__(self, base: FixedPolicy, costs, prior: float = 0.35, weight: float = 4.0,
                  explore_every: int = 16) -> None:
@@ -146,6 +153,7 @@ class ThompsonPolicy:
     """
 
     name = "thompson"
+    depth: int | None = None
 
     def __init__(self, base: FixedPolicy, costs: DraftCosts, prior: float | list[float] = 0.35,
                  strength: float = 4.0, seed: int | None = 0, positions: int = 16) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from selfspec.errors import ExitLayerError, HeadMismatchError, ModelNotFoundError
+from selfspec.errors import ExitLayerError, HeadMismatchError, InvalidConfigError, ModelNotFoundError
 from selfspec.heads.base import ExitHead, LMExitHead, check_fingerprint, model_fingerprint
 from selfspec.heads.deep import DeepContextHead
 from selfspec.heads.kangaroo import KangarooAdapter
@@ -99,3 +100,27 @@ def load_head(path: str | Path, split: SplitModel, exit_layer: int | None = None
     head.recommended_draft = dict(cfg.get("draft", {}))
     head.source = str(path)
     return head.eval().requires_grad_(False)
+
+
+def bundled_head_dir(model_id: str) -> Any:
+    """The trained head shipped with selfspec for a model, if any (see docs/TRAINING.md)."""
+    path = files("selfspec") / "assets" / "heads" / model_id
+    return path if path.joinpath(CONFIG_NAME).is_file() else None
+
+
+def resolve_head(spec: str, split: SplitModel, model_id: str, exit_layer: int | None) -> ExitHead:
+    """The exit head a ``DraftConfig.head`` names: 'auto' (the bundled trained head for ``model_id`` when its
+    layer fits ``exit_layer``, else 'lm'), 'nested' (the bundled nested head), 'lm', or a head directory."""
+    if spec == "auto":
+        bundled = bundled_head_dir(model_id)
+        fits = bundled is not None and exit_layer in (None, int(read_head_config(bundled)["exit_layer"]))
+        spec = str(bundled) if fits else "lm"
+    if spec == "nested":
+        bundled = bundled_head_dir(model_id + "-nested")
+        if bundled is None:
+            raise InvalidConfigError(f"no bundled nested head for '{model_id}': train one with "
+                                     "`selfspec train-nested` and pass its directory as the head")
+        spec = str(bundled)
+    if spec == "lm":
+        return new_head("lm", split, exit_layer if exit_layer is not None else max(1, split.num_layers // 4))
+    return load_head(spec, split, exit_layer)

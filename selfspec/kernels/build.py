@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import time
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -38,6 +39,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _clear_stale_lock(lock: Path, max_age: float = 600.0) -> None:
+    """torch's build lock (a file) outlives a killed build and makes every later load wait forever; a build
+    takes about a minute, so a lock older than ``max_age`` seconds is stale."""
+    try:
+        if time.time() - lock.stat().st_mtime > max_age:
+            lock.unlink()
+            warnings.warn(f"selfspec: removed a stale kernel build lock ({lock})", stacklevel=3)
+    except FileNotFoundError:
+        pass
+
+
 @lru_cache(maxsize=1)
 def cpu_extension() -> Any | None:
     """selfspec's compiled CPU kernels (gemv.cpp: linear; ops.cpp: the fused decoding ops), built once per
@@ -47,9 +59,13 @@ def cpu_extension() -> Any | None:
     from torch.utils import cpp_extension
 
     src = b"".join(p.read_bytes() for p in _SOURCES)
-    tag = hashlib.sha256(src + torch.__version__.encode() + _cpu_flags().encode() + " ".join(_isa_flags()).encode()).hexdigest()[:12]
+    # the source folder too: ninja records source paths, so two checkouts sharing one build folder rebuild it in turn
+    where = str(_SOURCES[0].parent).encode()
+    tag = hashlib.sha256(src + where + torch.__version__.encode() + _cpu_flags().encode()
+                         + " ".join(_isa_flags()).encode()).hexdigest()[:12]
     build = cache_root() / "kernels" / f"cpu-{tag}"
     build.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build / "lock")
     try:
         return cpp_extension.load(
             name=f"selfspec_cpu_{tag}", sources=[str(p) for p in _SOURCES], build_directory=str(build),

@@ -192,41 +192,6 @@ class SplitModel:
             self.fast_layers[i].forward_segments(h, segments)
         return [h[:, o : o + n] for o, n in zip(offsets, sizes)]
 
-    def run_layers_padded(
-        self,
-        h: torch.Tensor,  # [batch, n, hidden]: every sequence's n rows, padding rows included
-        start: int,
-        end: int,
-        positions: torch.Tensor,  # [batch, n] each row's position in its own sequence
-        cache: KVCache,  # one cache of ``batch`` rows sharing one length per layer
-        pad: torch.Tensor,  # [batch] each row's left padding: its cache slots [0, pad) hold no token
-    ) -> torch.Tensor:  # [batch, n, hidden]
-        """Layers [start, end) over a padded batch (EQSPEC's layout, ``selfspec.batch.padded``): all sequences
-        share the cache length, each keeps its own positions and masks out its padding slots."""
-        if start >= end:
-            return h
-        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        masks: dict[tuple[int, int | None], torch.Tensor] = {}
-        n = h.shape[1]
-        if self.fast_layers:
-            h = h.clone()
-        for i in range(start, end):
-            kind = self.layer_types[i]
-            if kind not in rotary:
-                rotary[kind] = self.rotary_emb(h, positions, kind) if self._rotary_by_type else self.rotary_emb(h, positions)
-            key = (cache.lengths[i] + n, self.windows[i])
-            if key not in masks:
-                masks[key] = padded_mask(n, key[0], key[1], pad)
-            mask = masks[key]
-            if self.fast_layers:
-                at = cache.reserve(i, n)
-                seg = Segment(0, n, Rotary(*rotary[kind]), mask, cache.keys[i], cache.values[i], at, False)
-                self.fast_layers[i].forward_segments(h, [seg])
-            else:
-                h = self.layers[i](h, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                   position_embeddings=rotary[kind])
-        return h
-
     def run_rides(self, rides: list[Ride]) -> list[torch.Tensor]:  # per ride [1, n, hidden] after the last layer
         """Rows of several sequences that enter the model at different layers (a plain step's token at layer 0,
         a draft block's exit states at its exit depth) ride to the last layer together: the layers are run
@@ -286,17 +251,6 @@ def causal_mask(q_len: int, kv_len: int, window: int | None, device: torch.devic
     if window is not None:
         mask &= k_pos > q_pos - window
     return mask[None, None]
-
-
-def padded_mask(q_len: int, kv_len: int, window: int | None, pad: torch.Tensor) -> torch.Tensor:
-    """``# [batch, 1, q_len, kv_len]`` bool for the last ``q_len`` slots of a left-padded batch: slot i sees
-    slot j when pad[b] <= j <= i (and i - j < window, if any)."""
-    q = torch.arange(kv_len - q_len, kv_len, device=pad.device)[:, None]  # [q_len, 1]
-    k = torch.arange(kv_len, device=pad.device)[None, :]  # [1, kv_len]
-    ok = k <= q
-    if window is not None:
-        ok = ok & (q - k < window)
-    return (ok[None] & (k[None] >= pad[:, None, None]))[:, None]
 
 
 def block_mask(q_len: int, kv_len: int, window: int | None, device: torch.device | str,

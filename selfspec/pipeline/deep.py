@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from selfspec.config import GenerateConfig
 from selfspec.pipeline.transport import PREFILL, SIGNAL, STOP, VERDICT, Message, error_message
-from selfspec.sampling import logits_to_probs, make_generator, pick
-from selfspec.verify import greedy_verify, speculative_verify
+from selfspec.round import verify_chain
+from selfspec.sampling import make_generator, pick
 
 
 @dataclass
@@ -104,13 +103,7 @@ class DeepStage:
         else:
             h = split.run_layers(h, self.k, split.num_layers, pos, self.cache)
         logits = split.logits(h)  # [1, g + 1, vocab]
-        if self.gen.greedy:
-            res = greedy_verify(drafts, logits)
-        else:
-            target = logits_to_probs(logits, self.gen.temperature, self.gen.top_k, self.gen.top_p)
-            q = probs[None] if probs is not None else F.one_hot(drafts, split.vocab_size).to(target.dtype)
-            res = speculative_verify(drafts, q, target, self.generator)
-        m, x = int(res.num_accepted[0]), int(res.next_token[0])
+        m, x = verify_chain(self.gen, drafts[0].tolist(), probs, logits, self.generator)
         self.cache.truncate(start + 1 + m)
         return [self._verdict(m, x, h[:, : m + 1])]
 

@@ -27,68 +27,34 @@ A stage that dies or raises is a ``PipelineError`` at once (no hang); the pipeli
 
 from __future__ import annotations
 
-import os
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from selfspec import round as core
 from selfspec.config import GenerateConfig, PipelineConfig
 from selfspec.drafting.base import DraftBlock
+from selfspec.drafting.early_exit import EarlyExitDrafter
+from selfspec.drafting.policies import DepthBandit
 from selfspec.errors import InvalidConfigError
-from selfspec.pipeline.deep import DeepStage, RequestParams
+from selfspec.models.split import SplitModel
+from selfspec.pipeline.deep import RequestParams
+from selfspec.pipeline.link import DeepLink, ModelSource
 from selfspec.pipeline.transport import (
     BLOCK,
-    ERROR,
     PREFILL,
     SIGNAL,
-    STOP,
     VERDICT,
     Message,
     PipelineError,
-    ProcessChannel,
-    ThreadChannel,
-    error_text,
 )
 from selfspec.sampling import make_generator
 from selfspec.state import SequenceState
 
 __all__ = ["ModelSource", "Pipeline", "PipelineError", "PipelineStats"]
-
-
-@dataclass
-class ModelSource:
-    """How a stage process gets the model: a ModelConfig to load, or (config, state_dict) to rebuild (tests)."""
-
-    model_config: Any = None
-    hf_config: Any = None
-    state_dict: dict | None = None
-
-    @classmethod
-    def of(cls, model: Any) -> ModelSource:
-        from selfspec.config import ModelConfig
-
-        if isinstance(model, ModelConfig):
-            return cls(model_config=model)
-        return cls(hf_config=model.config, state_dict={k: v.clone() for k, v in model.state_dict().items()})
-
-    def load(self) -> Any:
-        if self.model_config is not None:
-            from selfspec.models.loading import load_model
-
-            return load_model(self.model_config)[0]
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_config(self.hf_config, attn_implementation="sdpa", dtype=torch.float32)
-        model.load_state_dict(self.state_dict)
-        return model.eval().requires_grad_(False)
 
 
 @dataclass
@@ -133,84 +99,24 @@ class _Snapshot:
     seen: int  # positions a stateful head had consumed (its backlog not included)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _deep_process(source: ModelSource, exit_layer: int, port: int, threads: int, backend: str, timeout: float) -> None:
-    """Rank 1: the deep stage in its own process."""
-    from selfspec.models.split import SplitModel
-
-    torch.set_num_threads(threads)
-    split = SplitModel(source.load(), backend)  # first: a model that does not load ends the start at once
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=timeout))
-    store.set("ready", "1")
-    dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=timedelta(seconds=timeout))
-    try:
-        DeepStage(split, exit_layer).serve(ProcessChannel(1))
-    finally:
-        dist.destroy_process_group()
-
-
 class Pipeline:
     """The shallow stage here; the deep stage in a child process or a thread. One pipeline per process
     at a time with the process transport (it owns the torch.distributed group)."""
 
-    def __init__(self, split: Any, drafter: Any, config: PipelineConfig | None = None,
+    def __init__(self, split: SplitModel, drafter: EarlyExitDrafter, config: PipelineConfig | None = None,
                  source: ModelSource | None = None, eos_token_ids: list[int] | None = None) -> None:
         cfg = self.config = config or PipelineConfig()
         if cfg.gamma < 1:
             raise InvalidConfigError(f"gamma must be >= 1, got {cfg.gamma}")
         if cfg.transport not in ("process", "thread"):
             raise InvalidConfigError(f"unknown pipeline transport {cfg.transport!r} (process or thread)")
-        if getattr(drafter.policy, "arms", None) and len(drafter.policy.arms) > 1:
+        if isinstance(drafter.policy, DepthBandit) and len(drafter.policy.arms) > 1:
             raise InvalidConfigError("the pipeline drafts at one exit depth; a depth bandit changes it per round")
         self.split, self.drafter, self.k = split, drafter, drafter.exit_layer
         self.set_mode(cfg.mode)
         self.eos_token_ids = list(eos_token_ids or [])
         self.stats = PipelineStats()
-        self.closed = False
-        self._stash: Message | None = None
-        threads = cfg.threads or (torch.get_num_threads() if cfg.transport == "thread" else 1)
-        torch.set_num_threads(threads)
-        if cfg.transport == "thread":
-            self.channel, deep_end = ThreadChannel.pair(cfg.timeout)
-            self.worker = threading.Thread(target=DeepStage(split, self.k).serve, args=(deep_end, False), daemon=True,
-                                           name="selfspec-deep-stage")
-            self.channel.peer_thread = self.worker
-            self.worker.start()
-            return
-        if dist.is_initialized():
-            raise InvalidConfigError("a torch.distributed group is already running in this process")
-        if source is None:
-            source = ModelSource.of(split.model)
-        port = _free_port()
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: both stages on this machine
-        self.worker = mp.get_context("spawn").Process(
-            target=_deep_process, args=(source, self.k, port, cfg.deep_threads or threads, split.backend, cfg.timeout),
-            daemon=True)
-        self.worker.start()
-        self._join_group(port, cfg.timeout)
-        self.channel = ProcessChannel(0)
-
-    def _join_group(self, port: int, timeout: float) -> None:
-        """Rank 0 hosts the group's store and waits for the deep process to say it is ready (its model loaded),
-        watching it meanwhile: one that dies while starting is a PipelineError now, not a wait for the
-        group's timeout."""
-        store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=timeout), wait_for_workers=False)
-        deadline = time.monotonic() + timeout
-        while not store.check(["ready"]):
-            if not self.worker.is_alive():
-                self.closed = True
-                raise PipelineError(f"the deep stage exited while starting (exit code {self.worker.exitcode})")
-            if time.monotonic() > deadline:
-                self.worker.kill()
-                self.closed = True
-                raise PipelineError(f"the deep stage did not start within {timeout:.0f} s")
-            time.sleep(0.05)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=timeout))
+        self.link = DeepLink(split, self.k, cfg, source)
 
     def set_mode(self, mode: str) -> None:
         """'ppsd' or 'mirror' for the next requests (the deep stage learns it with each prefill)."""
@@ -233,50 +139,20 @@ class Pipeline:
         source = ModelSource(model_config=model_config) if model_config is not None else None
         return cls(ss.split, ss.engine.drafter, config, source, ss.eos_token_ids)
 
-    # ---- messages ---------------------------------------------------------------------
-    def _send(self, msg: Message) -> None:
-        self._check_alive()
-        try:
-            self.channel.send(msg)
-        except PipelineError as e:
-            self._fail(e)
+    # ---- messages (over the link) -------------------------------------------------------
+    @property
+    def worker(self) -> Any:  # the deep stage's thread or process
+        return self.link.worker
 
-    def _recv(self, kind: int) -> Message:
-        t0 = time.perf_counter()
-        msg, self._stash = self._stash, None
-        try:
-            msg = msg or self.channel.recv()
-        except PipelineError as e:
-            self._fail(e)
-        self.stats.wait_time += time.perf_counter() - t0
-        if msg.kind == ERROR:
-            self._fail(PipelineError(error_text(msg)))
-        if msg.kind != kind:
-            self._fail(PipelineError(f"the deep stage answered {msg.kind}, expected {kind}"))
-        return msg
+    @property
+    def closed(self) -> bool:
+        return self.link.closed
 
     def _verdict(self) -> tuple[int, int, torch.Tensor | None]:
-        msg = self._recv(VERDICT)
+        msg = self.link.recv(VERDICT)
         m, x = msg.tensors[0].tolist()
         finals = msg.tensors[1].to(self.split.dtype) if len(msg.tensors) > 1 else None
         return m, x, finals
-
-    def _worker_alive(self) -> bool:
-        return self.worker.is_alive()
-
-    def _check_alive(self) -> None:
-        if self.closed or not self._worker_alive():
-            code = getattr(self.worker, "exitcode", None)
-            raise PipelineError(f"the deep stage is not running{'' if code is None else f' (exit code {code})'}")
-
-    def _fail(self, e: PipelineError) -> None:
-        """A stage is gone: close this pipeline (a new one is needed) and raise."""
-        if not isinstance(self.worker, threading.Thread):
-            self.worker.join(1)
-            code = self.worker.exitcode
-            e = PipelineError(f"the deep stage failed{'' if code is None else f' (exit code {code})'}: {e}")
-        self.close(stop=False)
-        raise e
 
     # ---- supposing a verdict (drafting ahead) ----------------------------------------------
     def _snapshot(self, seq: SequenceState) -> _Snapshot:
@@ -294,17 +170,13 @@ class Pipeline:
     def _suppose(self, seq: SequenceState, snap: _Snapshot, block: DraftBlock, m: int, x: int) -> None:
         """Put ``seq`` in the state the verdict (m, x) on ``block`` would leave it in."""
         self._restore(seq, snap)
-        p = block.start
-        seq.cache.truncate(p + 1 + m)
         finals = None
         if self.drafter.head.needs_context:
             finals = seq.cache.keys[0].new_zeros(1, m + 1, self.split.hidden_size)
             if block.predicted_finals is not None:
                 n = min(m + 1, block.predicted_finals.shape[1])
                 finals[:, :n] = block.predicted_finals[:, :n]
-        self.drafter.accepted(seq, block, m, finals, observe=False)
-        seq.length, seq.pending = p + 1 + m, x
-        seq.tokens = seq.tokens + block.tokens[:m] + [x]
+        core.commit(seq, self.drafter, block, m, x, finals, observe=False)
 
     def _keep(self, seq: SequenceState, block: DraftBlock, branch: bool = False) -> _Ahead:
         end = block.start + len(block.tokens) + 1
@@ -343,8 +215,7 @@ class Pipeline:
                 continue
             # Greedy: stop as soon as the verdict is in (threads can look). Sampled: always draft every branch,
             # so the draft generator's draws, hence a seeded output, never depend on timing.
-            if gen.greedy and (msg := getattr(self.channel, "poll", lambda: None)()) is not None:
-                self._stash = msg
+            if gen.greedy and self.link.poll() is not None:
                 return
             self._suppose(seq, snap, block, m, c)
             ahead[(m, c)] = self._keep(seq, self.drafter.propose(seq, min(self.config.gamma, left - 1), gen), True)
@@ -357,10 +228,10 @@ class Pipeline:
         gen = gen or GenerateConfig()
         if not prompt_ids or gen.max_new_tokens < 1:
             raise InvalidConfigError("the pipeline needs a non-empty prompt and max_new_tokens >= 1")
-        self._check_alive()
+        self.link.check_alive()
         split, d, k, cfg = self.split, self.drafter, self.k, self.config
         st = self.stats = PipelineStats()
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), self.link.wait_time
         eos = set() if gen.ignore_eos else set(gen.eos_token_ids if gen.eos_token_ids is not None
                                                  else self.eos_token_ids)
         P, limit = len(prompt_ids), gen.max_new_tokens
@@ -371,16 +242,16 @@ class Pipeline:
             raise InvalidConfigError(f"the pipeline drafts at exit layer {k}, the policy chose {d.depth_of(seq)}")
         h = split.run_layers(split.embed(torch.tensor([prompt_ids], device=split.device)), 0, k,
                              seq.positions(0, P), seq.cache)
-        rows = getattr(d.head, "vocab_ids", torch.empty(0, dtype=torch.long))
+        rows = d.head.vocab_ids  # [n] the rows of a trimmed vocabulary (empty: all)
         params = RequestParams(gen.temperature, gen.top_k, gen.top_p, gen.seed, d.head.needs_context,
                                self.signal_layer, cfg.mirror_top_k if self.signal_layer else 0)
-        self._send(Message(PREFILL, [h, params.encode(), rows.cpu()]))
+        self.link.send(Message(PREFILL, [h, params.encode(), rows.cpu()]))
         _, x, finals = self._verdict()
         d.start(seq, h, finals)
-        seq.length, seq.pending, seq.tokens = P, x, [*prompt_ids, x]
+        seq.length, seq.pending, seq.tokens = P, x, [*prompt_ids, x]  # (the prefill's verdict: its first token)
         emitted, nxt = 1, None
         yield [x]
-        while emitted < limit and x not in eos:
+        while emitted < limit and x not in eos:  # (x: the first token; later rounds stop through ``cut``)
             budget = limit - emitted
             p = seq.length
             if nxt is None or len(nxt.tokens) > budget - 1:
@@ -389,20 +260,16 @@ class Pipeline:
             block = nxt
             msg = [torch.tensor([p, len(block.tokens)], dtype=torch.long), block.exit_states,
                    torch.tensor([block.tokens], dtype=torch.long)]
-            self._send(Message(BLOCK, msg + ([block.probs.float()] if block.probs is not None else [])))
+            self.link.send(Message(BLOCK, msg + ([block.probs.float()] if block.probs is not None else [])))
             snap = self._snapshot(seq)
             own = seq.cache.save(p, p + len(block.tokens) + 1, k)  # branches overwrite this block's rows
             ahead = self._draft_ahead(seq, snap, block, gen, budget)
             if self.signal_layer:
-                self._branches(seq, snap, block, gen, budget, self._recv(SIGNAL).tensors[0], ahead)
+                self._branches(seq, snap, block, gen, budget, self.link.recv(SIGNAL).tensors[0], ahead)
             m, x, finals = self._verdict()
             self._restore(seq, snap)
             seq.cache.restore(p, own)
-            seq.cache.truncate(p + 1 + m)
-            seq.length, seq.pending = p + 1 + m, x
-            d.accepted(seq, block, m, finals)
-            new = block.tokens[:m] + [x]
-            seq.tokens = seq.tokens + new
+            new = core.commit(seq, d, block, m, x, finals)
             st.rounds += 1
             st.drafted += len(block.tokens)
             st.accept_lengths.append(len(new))
@@ -413,22 +280,18 @@ class Pipeline:
                 nxt = hit.block
                 st.ahead_used += 1
                 st.branch_used += hit.branch
-            out = []
-            for t in new[:budget]:
-                out.append(t)
-                if t in eos:
-                    break
+            out, done = core.cut(new, budget, eos)
             emitted += len(out)
-            x = out[-1]
+            st.wait_time = self.link.wait_time - w0
             st.wall_time = time.perf_counter() - t0
             yield out
+            if done:
+                break
         st.wall_time = time.perf_counter() - t0
 
     def generate(self, prompt_ids: list[int], gen: GenerateConfig | None = None, **overrides: Any,
                  ) -> tuple[list[int], PipelineStats]:
         """New tokens (an ending EOS included) and the stats. ``overrides``: GenerateConfig fields."""
-        from dataclasses import replace
-
         gen = replace(gen or GenerateConfig(), **overrides)
         out: list[int] = []
         for chunk in self.stream(prompt_ids, gen):
@@ -437,23 +300,7 @@ class Pipeline:
 
     def close(self, stop: bool = True) -> None:
         """Stop the deep stage (and leave the process group)."""
-        if self.closed:
-            return
-        self.closed = True
-        if stop and self._worker_alive():
-            try:
-                self.channel.send(Message(STOP))
-            except PipelineError:
-                pass
-        if isinstance(self.worker, threading.Thread):
-            self.worker.join(10)
-            return
-        self.worker.join(10)
-        if self.worker.is_alive():
-            self.worker.kill()
-            self.worker.join(5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.link.close(stop)
 
     def __enter__(self) -> Pipeline:
         return self

@@ -80,6 +80,10 @@ class ProcessChannel:
             raise PipelineError(f"the other stage stopped answering: {e}") from e
         return Message(int(head[0]), tensors)
 
+    def poll(self) -> Message | None:
+        """Never a message without waiting: gloo's receive cannot be polled."""
+        return None
+
 
 class ThreadChannel:
     """One end of a queue pair between two threads of this process (the one-device pipeline)."""

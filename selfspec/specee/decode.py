@@ -29,6 +29,7 @@ import torch
 
 from selfspec.drafting.base import DraftBlock
 from selfspec.models.fast import Norm
+from selfspec.round import commit_plain
 from selfspec.sampling import logits_to_probs, pick, sample
 from selfspec.specee.candidates import CandidateScorer, features_list
 from selfspec.specee.predictors import ExitPredictors
@@ -167,10 +168,7 @@ class SpecEERunner:
             seq.extras["specee_debt"] = []
             sched.observe(None)
         stats.exit_layers.append(r.exit_layer)
-        seq.length, seq.pending = p + 1, nxt
-        seq.tokens.append(nxt)
-        stats.record_step(0, 0)
-        return [nxt]
+        return commit_plain(seq, nxt, stats)  # the pending token's row is in the cache (or owed: the debt)
 
     def verified_round(self, seq, max_drafts: int, stats) -> tuple[DraftBlock, torch.Tensor]:
         """Draft one round of ``specee-verified``; returns the drafts and the last-layer states of their rows

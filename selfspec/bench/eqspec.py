@@ -1,6 +1,6 @@
 """EQSPEC: batch speculative decoding in the padded layout, realigning after every verification.
 
-The textbook way to batch speculative decoding (METHODS.md: batch speculative decoding) keeps all
+The textbook way to batch speculative decoding (docs/ARCHITECTURE.md: batch speculative decoding) keeps all
 sequences in one padded tensor: one KV cache of ``batch`` rows with one shared length, each row
 left-padded so every sequence ends at the same slot. Every step drafts the same number of tokens
 for every sequence (the early exit, layers [0, k) + a stateless exit head, all rows in lockstep),
@@ -15,7 +15,7 @@ Worked example, 2 sequences, 3 drafts each, shared length T = 10 before the step
     row 1 accepts 0 -> its tokens end at slot 11; shift right by 3, pad[1] += 3
     new shared length 14; the 3 freed slots of row 1 are padding from now on.
 
-Selfspec's own batching (``selfspec.batch.Scheduler``, EXSPEC's idea taken to the end) gives every
+Selfspec's own batching (``selfspec.batch``, EXSPEC's idea taken to the end) gives every
 sequence its own cache, so nothing is ever realigned. This module is the measured comparison;
 it decodes greedily (the padded realignment is the point, not sampling).
 """
@@ -27,8 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec import round as core
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.base import ExitHead
+from selfspec.models.cache import KVCache
+from selfspec.models.fast import Rotary, Segment
 from selfspec.models.split import SplitModel
 from selfspec.verify import greedy_verify
 
@@ -106,24 +109,21 @@ class PaddedBatch:
             t0 = time.perf_counter()
             x, states, drafts = pending, [], []
             for i in range(g + 1):
-                hk = split.run_layers_padded(split.embed(x[:, None]), 0, k, self._positions(T + i, 1, pad), cache, pad)
+                hk = run_layers_padded(split, split.embed(x[:, None]), 0, k, self._positions(T + i, 1, pad), cache, pad)
                 states.append(hk)
                 if i < g:
                     x = self.head(hk, self._positions(T + i, 1, pad))[:, -1].argmax(-1)  # [B]
                     drafts.append(x)
             t1 = time.perf_counter()
             # ---- verify: every row's pending token and drafts through layers [k, L) in one padded pass
-            h = split.run_layers_padded(torch.cat(states, dim=1), k, L, self._positions(T, g + 1, pad), cache, pad)
+            h = run_layers_padded(split, torch.cat(states, dim=1), k, L, self._positions(T, g + 1, pad), cache, pad)
             d = torch.stack(drafts, dim=1) if drafts else pending.new_zeros(len(rows), 0)  # [B, g]
             res = greedy_verify(d, split.logits(h))  # [B, g + 1, vocab] -> accepted, next per row
             m = res.num_accepted.tolist()
             st.steps += 1
             t2 = time.perf_counter()
             for r, j in enumerate(rows):
-                new = d[r, : m[r]].tolist() + [int(res.next_token[r])]
-                new = new[: max_new_tokens[j] - len(outs[j])]
-                if eos and eos & set(new):
-                    new = new[: next(i for i, t in enumerate(new) if t in eos) + 1]
+                new, _ = core.cut(d[r, : m[r]].tolist() + [int(res.next_token[r])], max_new_tokens[j] - len(outs[j]), eos)
                 outs[j].extend(new)
                 st.accepted.append(len(new))
             pending = res.next_token
@@ -169,3 +169,50 @@ class PaddedBatch:
             cache.values = [t.index_select(0, idx) for t in cache.values]
             pad, pending = pad[idx], pending[idx]
         return cache, pad, pending, [rows[r] for r in keep]
+
+
+def run_layers_padded(
+split: SplitModel,
+    h: torch.Tensor,  # [batch, n, hidden]: every sequence's n rows, padding rows included
+    start: int,
+    end: int,
+    positions: torch.Tensor,  # [batch, n] each row's position in its own sequence
+    cache: KVCache,  # one cache of ``batch`` rows sharing one length per layer
+    pad: torch.Tensor,  # [batch] each row's left padding: its cache slots [0, pad) hold no token
+) -> torch.Tensor:  # [batch, n, hidden]
+    """Layers [start, end) over a padded batch (EQSPEC's layout): all sequences
+    share the cache length, each keeps its own positions and masks out its padding slots."""
+    if start >= end:
+        return h
+    rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    masks: dict[tuple[int, int | None], torch.Tensor] = {}
+    n = h.shape[1]
+    if split.fast_layers:
+        h = h.clone()
+    for i in range(start, end):
+        kind = split.layer_types[i]
+        if kind not in rotary:
+            rotary[kind] = split.rotary_emb(h, positions, kind) if split._rotary_by_type else split.rotary_emb(h, positions)
+        key = (cache.lengths[i] + n, split.windows[i])
+        if key not in masks:
+            masks[key] = padded_mask(n, key[0], key[1], pad)
+        mask = masks[key]
+        if split.fast_layers:
+            at = cache.reserve(i, n)
+            seg = Segment(0, n, Rotary(*rotary[kind]), mask, cache.keys[i], cache.values[i], at, False)
+            split.fast_layers[i].forward_segments(h, [seg])
+        else:
+            h = split.layers[i](h, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                               position_embeddings=rotary[kind])
+    return h
+
+
+def padded_mask(q_len: int, kv_len: int, window: int | None, pad: torch.Tensor) -> torch.Tensor:
+    """``# [batch, 1, q_len, kv_len]`` bool for the last ``q_len`` slots of a left-padded batch: slot i sees
+    slot j when pad[b] <= j <= i (and i - j < window, if any)."""
+    q = torch.arange(kv_len - q_len, kv_len, device=pad.device)[:, None]  # [q_len, 1]
+    k = torch.arange(kv_len, device=pad.device)[None, :]  # [1, kv_len]
+    ok = k <= q
+    if window is not None:
+        ok = ok & (q - k < window)
+    return (ok[None] & (k[None] >= pad[:, None, None]))[:, None]

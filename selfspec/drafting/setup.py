@@ -1,0 +1,115 @@
+"""Building the early-exit drafter from a ``DraftConfig``: its head, its policies (fixed, confidence, cost-aware,
+Thompson, the depth bandit), its lookup drafts, the calibration it follows, and SpecEE's predictors over it.
+Registered as the drafter 'early-exit' (``selfspec.drafting.registry``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from selfspec.config import DraftConfig
+from selfspec.drafting.early_exit import EarlyExitDrafter
+from selfspec.drafting.policies import CostAwarePolicy, DepthBandit, DraftPolicy, ThompsonPolicy, make_policy
+from selfspec.engine import MAX_TREE_NODES
+from selfspec.errors import InvalidConfigError
+from selfspec.heads.base import ExitHead
+from selfspec.models.split import SplitModel
+from selfspec.specee.decode import DEFAULT_THRESHOLDS, SpecEERunner, SpecEESettings
+from selfspec.specee.predictors import has_predictors, load_predictors
+from selfspec.tuning import Tuning, head_depths
+
+MAX_AUTO_GAMMA = 8  # the longest draft the cost-aware choice considers
+LOOKUP_PRIOR = 0.5  # prior acceptance of lookup drafts per position (then learned from every lookup round)
+
+
+def check(draft: DraftConfig) -> None:
+    if draft.lookup < 0 or draft.lookup_ngram < 2:
+        raise InvalidConfigError(f"lookup must be >= 0 and lookup_ngram >= 2, got {draft.lookup}, "
+                                 f"{draft.lookup_ngram}")
+    if draft.tree_width is not None and draft.tree_width < 0:
+        raise InvalidConfigError(f"tree_width must be >= 0, got {draft.tree_width}")
+
+
+def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, DraftConfig, Tuning | None]:
+    """The early-exit drafter of ``draft`` over the loaded ``ss`` (a SelfSpec: its split, head resolution, cost
+    measurements and calibration). With ``gamma=None`` the draft is adaptive: its shape comes from a cached
+    calibration (``tune``, selfspec.tuning) and the length of each round from forward costs measured here and
+    the acceptance seen so far (a Thompson posterior per request, or ``CostAwarePolicy``).
+    -> (drafter, most drafts per round, the config as resolved, the calibration or None)."""
+    head = ss.make_head(draft)
+    check(draft)
+    tuning = None
+    if draft.gamma is None and draft.tune != "off":
+        tuning = ss.tuning(head, refresh=draft.tune == "refresh")
+        if draft.exit_layer is None and tuning.exit_layer in head_depths(head):
+            head.exit_layer = tuning.exit_layer
+        draft = replace(draft, tree_width=tuning.tree_width if draft.tree_width is None else draft.tree_width,
+                        depth_policy=draft.depth_policy or tuning.depth_policy)
+    if draft.tree_width is None:  # the head's measured best, else chains
+        width = head.recommended_draft.get("tree_width", 0)
+        draft = replace(draft, tree_width=width if head.supports_tree else 0)
+    if draft.tree_width > 1 and (not head.supports_tree or ss.split.kernel.endswith("int8")):
+        # int8 numerics: tree blocks attend through SDPA, which does not give single steps' rows bitwise
+        draft = replace(draft, tree_width=0)
+    name = draft.policy if draft.policy != "auto" else ("thompson-confidence" if tuning else "confidence")
+    threshold = draft.threshold
+    if threshold is None:  # the calibration's confidence stop, else 0.5 (measured best for the bundled head)
+        threshold = tuning.threshold if tuning is not None else 0.5
+        draft = replace(draft, threshold=threshold)
+    policy, gamma, lookup_policy = _policies(ss, head, draft, name, threshold, tuning)
+    drafter = EarlyExitDrafter(ss.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy)
+    return drafter, gamma, replace(draft, exit_layer=head.exit_layer, policy=name), tuning
+
+
+def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold: float,
+              tuning: Tuning | None) -> tuple[DraftPolicy, int, DraftPolicy | None]:
+    """(the drafts' policy, most drafts per round, the lookup drafts' policy or None) of ``draft``."""
+    base = make_policy(name, threshold)
+    policy: DraftPolicy = base
+    gamma, lookup_policy = draft.gamma, None
+    if not (name.startswith("thompson") or gamma is None):
+        return policy, gamma, None
+    thompson = name.startswith("thompson")  # only a Thompson policy drafts at other depths (the bandit)
+    costs = {d: ss.draft_costs(head, draft, d) for d in (head_depths(head) if thompson else [head.exit_layer])}
+    shaped = {d: replace(c, tree_width=draft.tree_width) if draft.tree_width > 1 else c for d, c in costs.items()}
+    k = head.exit_layer
+    if thompson:
+        arms = {d: ThompsonPolicy(base, shaped[d], tuning.prior(d) if tuning else 0.35) for d in shaped}
+        policy = DepthBandit(arms, k) if draft.depth_policy == "bandit" and len(arms) > 1 else arms[k]
+    else:
+        policy = CostAwarePolicy(base, shaped[k])
+    if gamma is None and tuning is None:
+        lookup_policy = CostAwarePolicy(make_policy("fixed"), costs[k].for_lookup(), prior=LOOKUP_PRIOR)
+    # Self-tuned: lookup blocks at full length (`lookup`) whenever there is a match. In the 20-per-group
+    # ablation (docs/BENCHMARKS.md) the cost-aware lookup length cost the adaptive drafts 0.2x hf.
+    if gamma is None:
+        gamma = MAX_AUTO_GAMMA
+        if draft.tree_width > 1:
+            gamma = max(1, min(MAX_AUTO_GAMMA, (MAX_TREE_NODES - 1) // draft.tree_width))
+        if tuning is not None:  # the calibrated cap (the replayed optimum; 1 when nothing paid, to explore)
+            gamma = min(gamma, max(tuning.gamma, 1))
+    return policy, gamma, lookup_policy
+
+
+def specee_runner(split: SplitModel, drafter: EarlyExitDrafter, draft: DraftConfig) -> SpecEERunner | None:
+    """SpecEE over ``head``'s candidates, when predictors are found (``DraftConfig.predictors``)."""
+    if draft.specee_threshold is not None and not 0.0 <= draft.specee_threshold <= 1.0:
+        raise InvalidConfigError(f"specee_threshold must be in [0, 1], got {draft.specee_threshold}")
+    if draft.specee_window < 0 or draft.specee_radius < 0:
+        raise InvalidConfigError(f"specee_window and specee_radius must be >= 0, got {draft.specee_window}, "
+                                 f"{draft.specee_radius}")
+    if draft.predictors == "none":
+        return None
+    head = drafter.head
+    where = head.source if draft.predictors == "auto" else draft.predictors
+    if where is None or (draft.predictors == "auto" and not has_predictors(where)):
+        return None
+    preds = load_predictors(where, head.exit_layer, split.num_layers)
+    thresholds = {**DEFAULT_THRESHOLDS, **preds.meta.get("thresholds", {})}
+    if draft.specee_threshold is not None:
+        thresholds = dict.fromkeys(thresholds, draft.specee_threshold)
+    max_layer = draft.specee_max_layer if draft.specee_max_layer is not None else preds.meta.get("max_layer")
+    settings = SpecEESettings(thresholds, draft.specee_window, draft.specee_radius,
+                              draft.gamma if draft.gamma is not None else SpecEESettings.max_drafts,
+                              max_layer=max_layer)
+    return SpecEERunner(split, drafter, preds, settings)
