@@ -229,8 +229,8 @@ def _quantized(model: Any, cfg: ModelConfig, where: str) -> Any:
     if hit is None:
         quant, floats = quantize_parts(model, cfg.quantize)
         save_packed(cache, model.config, quant, floats)
-    else:
-        _, quant, floats = hit
+        hit = load_packed(cache) or (None, quant, floats)  # mapped from the file, as every later load
+    _, quant, floats = hit
     out = assemble(empty_model(model.config), quant, floats, where)
     out.generation_config = model.generation_config
     return out
