@@ -23,6 +23,7 @@ import torch
 
 from selfspec.config import ModelConfig
 from selfspec.errors import InvalidConfigError, ModelNotFoundError, SelfSpecError
+from selfspec.memory import trim_heap
 from selfspec.models import catalog
 from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
 from selfspec.paths import atomic_dir, cache_root
@@ -252,6 +253,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         model, tokenizer = _load_native(local_gguf(cfg))
         if model.generation_config is not None and model.generation_config.pad_token_id is None:
             model.generation_config.pad_token_id = tokenizer.eos_token_id
+        trim_heap()  # what parsing the tokenizer (and a first load's GGUF decoding) freed
         return set_numerics(model, cfg.numerics), tokenizer
     where, gguf = resolve_model(cfg.model, cfg.gguf_file)
     config = load_config(where, gguf)
@@ -273,6 +275,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     model = model.to(cfg.device).eval().requires_grad_(False)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.eos_token_id
+    trim_heap()  # what loading freed (the float model's, when it was quantized; the tokenizer's parsing)
     return model, tokenizer
 
 
