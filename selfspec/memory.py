@@ -40,3 +40,22 @@ def resident_mb() -> float:
         pass
     return float("nan")
 
+
+def file_mappings() -> list[tuple[int, int, str, int]]:
+    """(start, end, path, resident bytes) of this process's file-backed memory mappings, from
+    /proc/self/smaps; empty where that is not available."""
+    out: list[tuple[int, int, str, int]] = []
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        head = line.split(maxsplit=5)
+        if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # "start-end perms offset dev inode [path]"
+            start, _, end = head[0].partition("-")
+            path = head[5] if len(head) > 5 and head[5].startswith("/") else ""
+            out.append((int(start, 16), int(end, 16), path, 0))
+        elif line.startswith("Rss:") and out:
+            start, end, path, _ = out[-1]
+            out[-1] = (start, end, path, int(line.split()[1]) * 1024)
+    return [m for m in out if m[2]]
