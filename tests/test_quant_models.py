@@ -222,3 +222,29 @@ def test_packed_weights_are_held_once(tmp_path, monkeypatch, one_thread):
         assert mem["packed_mapped_mb"] == mem["packed_mb"] > 0  # all of it in the cache file's pages: no copy
         assert mem["dense_copies_mb"] == 0
         assert all(m._dense is None for m in ss.model.modules() if isinstance(m, QuantLinear))
+
+
+def test_lean_tokenizer_keeps_outputs(tmp_path):
+    """Dropping a BPE tokenizer class's Python copies of its vocabulary and merges (memory, issue 25) changes
+    nothing it encodes, decodes, templates or saves."""
+    from transformers import AutoTokenizer, Qwen2Tokenizer
+
+    from selfspec.models.loading import lean_tokenizer
+
+    chars = list("abcdefghijklmnopqrstuvwxyz .,\u0120")
+    vocab = {c: i for i, c in enumerate(chars)} | {"ab": len(chars), "abc": len(chars) + 1, "<|endoftext|>": len(chars) + 2}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[("a", "b"), ("ab", "c")])
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    text, msgs = "abc cab, bca.", [{"role": "user", "content": "abc ab"}]
+
+    def outputs(t):
+        ids = t.encode(text)
+        return ids, t.decode(ids), t.apply_chat_template(msgs), len(t), t.get_vocab()
+
+    before = outputs(tok)
+    assert isinstance(tok._vocab, dict) and tok._merges
+    lean_tokenizer(tok)
+    assert tok._vocab is None and tok._merges is None
+    assert outputs(tok) == before
+    tok.save_pretrained(tmp_path / "t")
+    assert outputs(AutoTokenizer.from_pretrained(tmp_path / "t")) == before

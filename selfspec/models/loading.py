@@ -237,6 +237,18 @@ def _quantized(model: Any, cfg: ModelConfig, where: str) -> Any:
     return out
 
 
+def lean_tokenizer(tokenizer: Any) -> Any:
+    """Drop the Python copies of the vocabulary and merges that transformers' BPE tokenizer classes (Qwen2's,
+    Llama's, Gemma's: ``_vocab``, ``_merges``) keep after building their tokenizers-library tokenizer, which
+    is what encodes, decodes and saves: Qwen2.5's 151k-entry vocabulary and merges hold ~60 MB. Outputs are
+    unchanged (tests/test_quant_models.py); without a tokenizers-library tokenizer nothing is dropped."""
+    if getattr(tokenizer, "_tokenizer", None) is not None:
+        for attr in ("_vocab", "_merges"):
+            if isinstance(getattr(tokenizer, attr, None), (dict, list)):
+                setattr(tokenizer, attr, None)
+    return tokenizer
+
+
 def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     """-> (transformers CausalLM in eval mode without grads, tokenizer). With ``dtype='auto'`` a GGUF keeps
     its block-quantized weights (``selfspec.models.gguf``); ``dtype='float32'`` dequantizes it."""
@@ -251,6 +263,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
                                  "its own types, dtype='float32' dequantizes it)")
     if is_native_quantized(cfg):
         model, tokenizer = _load_native(local_gguf(cfg))
+        lean_tokenizer(tokenizer)
         if model.generation_config is not None and model.generation_config.pad_token_id is None:
             model.generation_config.pad_token_id = tokenizer.eos_token_id
         trim_heap()  # what parsing the tokenizer (and a first load's GGUF decoding) freed
@@ -268,6 +281,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
                          else AutoTokenizer.from_pretrained(where))
     except Exception as e:
         raise ModelNotFoundError(f"cannot load model '{cfg.model}': {e}") from e
+    lean_tokenizer(tokenizer)
     if cfg.quantize:
         model = _quantized(model, cfg, where)
     if cfg.numerics != "exact":
