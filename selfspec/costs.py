@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from selfspec.memory import trim_heap
 from selfspec.models.split import SplitModel
 
 
@@ -142,7 +143,9 @@ def measure_draft_costs(split: SplitModel, head, context: int = 256, block_sizes
     k, L = exit_layer or head.exit_layer, split.num_layers
     deep = {n: time_layers(split, k, L, n, context, reps, lm_head=True) for n in block_sizes}
     shallow = {n: time_layers(split, 0, k, n, context, reps) for n in block_sizes}
-    return DraftCosts(k, shallow[1], time_head(head, split, reps), deep, shallow)
+    costs = DraftCosts(k, shallow[1], time_head(head, split, reps), deep, shallow)
+    trim_heap()  # the timed forwards' caches and activations, freed: their pages back to the system
+    return costs
 
 
 def expected_accepted(acceptance: list[float], g: int) -> float:

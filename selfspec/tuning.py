@@ -33,6 +33,7 @@ from selfspec.costs import DraftCosts, best_gamma, measure_draft_costs
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import FixedPolicy
 from selfspec.heads.base import ExitHead, model_fingerprint
+from selfspec.memory import trim_heap
 from selfspec.models.split import SplitModel
 from selfspec.progress import progress
 
@@ -225,6 +226,7 @@ def calibrate(split: SplitModel, head: ExitHead, tokenizer: Any = None, new_toke
     best = max(predicted, key=lambda s: predicted[s][1])
     depth, width = (int(x) for x in best.split("/"))
     g, gain, th = predicted[best]
+    trim_heap()  # the calibration decodes' caches, freed: their pages back to the system
     near = [s for s in predicted if s.endswith(f"/{width}") and predicted[s][1] >= gain * (1 - NEAR)]
     return Tuning(
         exit_layer=depth, tree_width=width, gamma=g,

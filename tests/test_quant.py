@@ -140,3 +140,34 @@ def test_int8_mode_matches_its_reference_and_is_row_independent(type_name):
         one = torch.empty(1, n)
         qw.matmul(x[i : i + 1], one)
         assert torch.equal(one[0], out[i])
+
+
+def test_concat_of_consecutive_slices_is_a_view_and_the_store_keeps_runs(tmp_path):
+    """Weights that are consecutive row blocks of one tensor fuse without a copy; the packed cache stores the
+    projections the fast layers fuse as one tensor and maps each module's weight as a slice of it."""
+    from transformers import LlamaConfig
+
+    from selfspec.quant.store import fused_runs, load_packed, save_packed
+
+    whole = QuantWeight.from_gguf(random_tensor("Q4_1", 48, 64), "Q4_1", 64)
+    parts = [QuantWeight("Q4_1", (16, 64), whole.codes[i : i + 1], whole.scales[i : i + 1], whole.offsets[i : i + 1])
+             for i in range(3)]
+    fused = QuantWeight.concat(parts)
+    assert fused.codes.data_ptr() == whole.codes.data_ptr() and fused.offsets.data_ptr() == whole.offsets.data_ptr()
+    torch.testing.assert_close(fused.dense(), whole.dense(), rtol=0, atol=0)
+    apart = QuantWeight.concat([parts[2], parts[0]])  # not consecutive: a copy, rows in the order given
+    assert apart.codes.data_ptr() != whole.codes.data_ptr()
+    torch.testing.assert_close(apart.dense(), whole.dense()[[*range(32, 48), *range(16)]], rtol=0, atol=0)
+
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
+             "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"]
+    types = ["Q4_1", "Q4_1", "Q8_0", "Q4_0", "Q4_0", "Q4_0"]  # v is another type: q and k alone form a run
+    quant = {n: QuantWeight.from_gguf(random_tensor(t, 32, 64, seed=i), t, 64) for i, (n, t) in enumerate(zip(names, types))}
+    assert fused_runs(quant) == [names[:2], names[3:5]]
+    save_packed(tmp_path / "c", LlamaConfig(), quant, {})
+    _, mapped, _ = load_packed(tmp_path / "c")
+    for n in names:
+        torch.testing.assert_close(mapped[n].dense(), quant[n].dense(), rtol=0, atol=0)
+    q, k = mapped[names[0]], mapped[names[1]]
+    assert k.codes.data_ptr() == q.codes.data_ptr() + q.codes.nbytes  # one tensor: k's rows right after q's
+    assert QuantWeight.concat([q, k]).codes.data_ptr() == q.codes.data_ptr()

@@ -188,3 +188,63 @@ def test_int8_numerics_needs_quantized_weights():
 
     with pytest.raises(InvalidConfigError, match="needs quantized weights"):
         set_numerics(tiny_model("llama"), "int8")
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_packed_weights_are_held_once(tmp_path, monkeypatch, one_thread):
+    """Resident memory (issue 25): after a load, from the packed cache or when it is first written, every packed
+    weight is the cache file's mapped pages, and the fused projections the fast layers run are views of them
+    (no anonymous copy of any packed weight); no quantized module holds a dense float32 copy, even after
+    decoding, and no KV cache is made before a request."""
+    from conftest import tiny_tokenizer
+
+    from selfspec.bench.forward import memory_breakdown
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    mcfg = ModelConfig(model=str(tmp_path / "m"), quantize="Q4_1")
+    for _ in ("writes the cache", "maps it"):
+        ss = SelfSpec.load(mcfg, DraftConfig(head="lm", gamma=3, exit_layer=1))
+        attn, mlp = ss.model.model.layers[1].self_attn, ss.model.model.layers[1].mlp
+        qkv, gate_up = ss.split.fast_layers[1].qkv._quant[0][0], ss.split.fast_layers[1].gate_up._quant[0][0]
+        assert qkv.shape[0] == attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
+        for fused, parts in ((qkv, (attn.q_proj, attn.k_proj, attn.v_proj)), (gate_up, (mlp.gate_proj, mlp.up_proj))):
+            for t in ("codes", "scales", "offsets"):
+                assert getattr(fused, t).data_ptr() == getattr(parts[0].qweight, t).data_ptr()
+                assert {_storage(getattr(p.qweight, t)) for p in parts} == {_storage(getattr(fused, t))}
+        assert memory_breakdown(ss, 0.0)["kv_cache_mb"] == 0  # no KV cache made at load: requests make theirs
+        ss.generate(prompt_of(7, 3), max_new_tokens=8)
+        mem = memory_breakdown(ss, 0.0)
+        assert mem["packed_mapped_mb"] == mem["packed_mb"] > 0  # all of it in the cache file's pages: no copy
+        assert mem["dense_copies_mb"] == 0
+        assert all(m._dense is None for m in ss.model.modules() if isinstance(m, QuantLinear))
+
+
+def test_lean_tokenizer_keeps_outputs(tmp_path):
+    """Dropping a BPE tokenizer class's Python copies of its vocabulary and merges (memory, issue 25) changes
+    nothing it encodes, decodes, templates or saves."""
+    from transformers import AutoTokenizer, Qwen2Tokenizer
+
+    from selfspec.models.loading import lean_tokenizer
+
+    chars = list("abcdefghijklmnopqrstuvwxyz .,\u0120")
+    vocab = {c: i for i, c in enumerate(chars)} | {"ab": len(chars), "abc": len(chars) + 1, "<|endoftext|>": len(chars) + 2}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[("a", "b"), ("ab", "c")])
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    text, msgs = "abc cab, bca.", [{"role": "user", "content": "abc ab"}]
+
+    def outputs(t):
+        ids = t.encode(text)
+        return ids, t.decode(ids), t.apply_chat_template(msgs), len(t), t.get_vocab()
+
+    before = outputs(tok)
+    assert isinstance(tok._vocab, dict) and tok._merges
+    lean_tokenizer(tok)
+    assert tok._vocab is None and tok._merges is None
+    assert outputs(tok) == before
+    tok.save_pretrained(tmp_path / "t")
+    assert outputs(AutoTokenizer.from_pretrained(tmp_path / "t")) == before

@@ -15,6 +15,9 @@ measured here too (``measure_bandwidth``), so each figure is also a fraction of 
 at batch 1 a forward is bandwidth bound, so t(n) / t(1) well below n is what makes verifying a
 block of drafts cheap; these figures show how far from that each backend is.
 
+The report ends with the resident memory after load and what it is made of (``memory_breakdown``: runtime,
+packed weights, float parameters, exit head, KV caches), checked against issue 25's bound.
+
     selfspec bench-forward --threads 2 --out runs/bench-forward.json --plot runs/bench-forward.png
 """
 
@@ -24,6 +27,7 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +36,7 @@ import torch
 from selfspec.config import DraftConfig, ModelConfig, opt
 from selfspec.costs import time_call, time_head, time_layers
 from selfspec.errors import InvalidConfigError
+from selfspec.memory import file_mappings, resident_mb
 from selfspec.progress import progress
 
 if TYPE_CHECKING:
@@ -97,15 +102,76 @@ def _matrix_weights(module: torch.nn.Module) -> int:
     return total
 
 
-def resident_mb() -> float:
-    """This process's resident memory (VmRSS) in MB."""
+MIB = 2**20
+BOUND_FACTOR = 1.3  # issue 25: resident after load <= 1.3 x the GGUF + KV cache + the Python runtime
+_RUNTIME_PROBE = """
+import importlib, sys
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+import torch, transformers
+base = rss()
+importlib.import_module("transformers.modeling_utils")
+importlib.import_module(sys.argv[1])
+print(base, rss())
+"""
+
+
+@lru_cache(maxsize=4)
+def runtime_baseline_mb(modeling_module: str = "transformers.models.llama.modeling_llama") -> tuple[float, float]:
+    """Resident MB of a fresh Python with torch and transformers imported (the bound's runtime), and with
+    transformers' model code imported too (``modeling_module``: what every loaded model imports; it pulls in
+    accelerate, torch.distributed and torch._dynamo), measured in a subprocess; NaNs when that fails."""
+    import subprocess
+    import sys
+
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+        out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, modeling_module], capture_output=True,
+                             text=True, timeout=300, check=True).stdout.split()
+        return float(out[-2]), float(out[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return float("nan"), float("nan")
+
+
+def _live_kv_bytes() -> int:
+    """Bytes of the KV caches alive in this process (requests make their own, sized to them)."""
+    import gc
+
+    from selfspec.models.cache import KVCache
+
+    gc.collect()
+    return sum(t.numel() * t.element_size() for c in gc.get_objects() if issubclass(type(c), KVCache)
+               for t in (*c.keys, *c.values))
+
+
+def memory_breakdown(ss: SelfSpec, rss_after_load: float) -> dict[str, Any]:
+    """What the resident memory after load is made of, in MiB, and issue 25's bound on it: BOUND_FACTOR x the
+    GGUF + the KV caches alive + the runtime (python + torch + transformers imported)."""
+    split = ss.split
+    qws = {id(qw): qw for m in ss.model.modules() if (qw := getattr(m, "qweight", None)) is not None}
+    files = [m for m in file_mappings() if m[2].endswith("packed.safetensors")]  # selfspec.quant.store's cache
+    mapped = sum(qw.nbytes for qw in qws.values() if any(s <= qw.codes.data_ptr() < e for s, e, _, _ in files))
+    dense = sum(m._dense.numel() * m._dense.element_size() for m in ss.model.modules()
+                if getattr(m, "_dense", None) is not None)
+    kv_token = 2 * split.num_layers * split.num_kv_heads * split.head_dim * split.dtype.itemsize
+    gguf = ss.source_gguf.stat().st_size / MIB if ss.source_gguf else None
+    runtime, modeling = runtime_baseline_mb(type(ss.model).__module__)
+    kv = _live_kv_bytes() / MIB
+    file_resident = sum(m[3] for m in files)
+    return {
+        "rss_after_load_mb": rss_after_load, "gguf_mb": gguf,
+        # mapped pages count once read: the figure once every packed page has been (a decoding step reads all but
+        # the embedding's rows, which are read as tokens are looked up)
+        "rss_all_weights_read_mb": rss_after_load + max(0, mapped - file_resident) / MIB,
+        "packed_mb": sum(qw.nbytes for qw in qws.values()) / MIB, "packed_mapped_mb": mapped / MIB,
+        "packed_file_resident_mb": file_resident / MIB,
+        "dense_copies_mb": dense / MIB,
+        "float_params_mb": sum(p.numel() * p.element_size() for p in ss.model.parameters()) / MIB,
+        "head_mb": _param_bytes(ss.head) / MIB, "kv_cache_mb": kv, "kv_kb_per_token": kv_token / 1024,
+        "runtime_mb": runtime, "runtime_with_model_code_mb": modeling,
+        "bound_mb": BOUND_FACTOR * gguf + kv + runtime if gguf else None,
+    }
 
 
 @torch.inference_mode()
@@ -209,6 +275,7 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
         # a fixed gamma: the bench needs the head, not the draft-cost measurement of gamma=None
         ss = SelfSpec.load(replace(model_cfg, backend=cfg.backends[0]), DraftConfig(exit_layer=cfg.exit_layer, gamma=4))
     rss_after_load = resident_mb()  # before a reference backend dequantizes anything
+    memory = memory_breakdown(ss, rss_after_load)
     L = ss.split.num_layers
     k = cfg.exit_layer if cfg.exit_layer is not None else default_exit_layer(ss)
     head = ss.head if ss.head.exit_layer == k else ss.make_head(DraftConfig(exit_layer=k))
@@ -264,8 +331,7 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
                        "vocab_size": ss.split.vocab_size, "dtype": dtype,
                        "parameters": sum(p.numel() for p in ss.model.parameters())},
         "kernels": {b: s.kernel for b, s in splits.items()}, "block_sizes": sizes,
-        "memory": {"rss_after_load_mb": rss_after_load, "weights_mb": nbytes["full"] / 2**20,
-                   "gguf_mb": ss.source_gguf.stat().st_size / 2**20 if ss.source_gguf else None},
+        "memory": {**memory, "weights_mb": nbytes["full"] / MIB},
         "quantized_kernels": kernel_figures(ss, sizes, cfg.reps, bandwidth) if ss.split.quantized else [],
         "machine": {**machine, "threads": threads, "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -311,9 +377,7 @@ def format_tables(result: dict) -> str:
         parts.append("\n".join(lines))
     mem = result.get("memory")
     if mem:
-        gguf = f", GGUF file {mem['gguf_mb']:.0f} MB" if mem.get("gguf_mb") else ""
-        parts.append(f"\nresident memory after load: {mem['rss_after_load_mb']:.0f} MB; weights read per step "
-                     f"{mem['weights_mb']:.0f} MB{gguf}")
+        parts.append(format_memory(mem))
     kf = result.get("quantized_kernels") or []
     if kf:
         lines = ["\nquantized kernels (each type's largest matrix):", "",
@@ -326,6 +390,33 @@ def format_tables(result: dict) -> str:
                 f"{cell[n]['ms']:.3f} / {cell[n]['gbps']:.1f} / {cell[n]['gflops']:.0f}" for n in sizes) + " |")
         parts.append("\n".join(lines))
     return "\n".join(parts)
+
+
+def format_memory(mem: dict) -> str:
+    """The resident memory after load, what it is made of and the bound it is checked against (MiB)."""
+    gguf = f", GGUF file {mem['gguf_mb']:.0f} MB" if mem.get("gguf_mb") else ""
+    lines = [f"\nresident memory after load: {mem['rss_after_load_mb']:.0f} MB; weights read per step "
+             f"{mem['weights_mb']:.0f} MB{gguf}"]
+    if "packed_mb" in mem:  # results written before the breakdown have only the lines above
+        ratio = f" = {mem['packed_mb'] / mem['gguf_mb']:.2f} x the GGUF" if mem.get("gguf_mb") else ""
+        lines += [
+            f"- runtime: {mem['runtime_mb']:.0f} MB (python + torch + transformers imported), "
+            f"{mem['runtime_with_model_code_mb']:.0f} MB with transformers' model code imported",
+            f"- packed weights: {mem['packed_mb']:.1f} MB{ratio}, {mem['packed_mapped_mb']:.1f} MB of them mapped "
+            f"from the cache file ({mem['packed_file_resident_mb']:.1f} MB of its pages resident), the rest in "
+            f"anonymous memory; dense float32 copies: {mem['dense_copies_mb']:.1f} MB",
+            f"- float parameters: {mem['float_params_mb']:.1f} MB; exit head: {mem['head_mb']:.1f} MB",
+            f"- KV caches alive: {mem['kv_cache_mb']:.1f} MB (each request makes its own, sized to it: "
+            f"{mem['kv_kb_per_token']:.1f} KB per token)",
+        ]
+        if mem.get("bound_mb"):
+            rss = max(mem["rss_after_load_mb"], mem["rss_all_weights_read_mb"])
+            extra = mem["runtime_with_model_code_mb"] - mem["runtime_mb"]
+            lines.append(f"- {rss:.0f} MB once every packed page has been read, against the bound {BOUND_FACTOR} x "
+                         f"GGUF + KV caches + runtime: {mem['bound_mb']:.0f} MB ({rss - mem['bound_mb']:+.0f} MB); "
+                         f"counting the runtime with transformers' model code: {mem['bound_mb'] + extra:.0f} MB "
+                         f"({rss - mem['bound_mb'] - extra:+.0f} MB)")
+    return "\n".join(lines)
 
 
 def write_plot(result: dict, path: str | Path) -> Path:

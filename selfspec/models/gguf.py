@@ -113,6 +113,9 @@ def load_gguf_model(path: Path, cache: Path | None = None) -> nn.Module:
         quant, floats = _read_gguf(path, config, model)
         if cache is not None:
             save_packed(cache, config, quant, floats)
+            mapped = load_packed(cache)  # as every later load: mapped from the file, the decoded arrays freed
+            if mapped is not None:
+                _, quant, floats = mapped
     return assemble(model, quant, floats, str(path))
 
 

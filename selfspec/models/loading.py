@@ -23,6 +23,7 @@ import torch
 
 from selfspec.config import ModelConfig
 from selfspec.errors import InvalidConfigError, ModelNotFoundError, SelfSpecError
+from selfspec.memory import trim_heap
 from selfspec.models import catalog
 from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
 from selfspec.paths import atomic_dir, cache_root
@@ -229,11 +230,23 @@ def _quantized(model: Any, cfg: ModelConfig, where: str) -> Any:
     if hit is None:
         quant, floats = quantize_parts(model, cfg.quantize)
         save_packed(cache, model.config, quant, floats)
-    else:
-        _, quant, floats = hit
+        hit = load_packed(cache) or (None, quant, floats)  # mapped from the file, as every later load
+    _, quant, floats = hit
     out = assemble(empty_model(model.config), quant, floats, where)
     out.generation_config = model.generation_config
     return out
+
+
+def lean_tokenizer(tokenizer: Any) -> Any:
+    """Drop the Python copies of the vocabulary and merges that transformers' BPE tokenizer classes (Qwen2's,
+    Llama's, Gemma's: ``_vocab``, ``_merges``) keep after building their tokenizers-library tokenizer, which
+    is what encodes, decodes and saves: Qwen2.5's 151k-entry vocabulary and merges hold ~60 MB. Outputs are
+    unchanged (tests/test_quant_models.py); without a tokenizers-library tokenizer nothing is dropped."""
+    if getattr(tokenizer, "_tokenizer", None) is not None:
+        for attr in ("_vocab", "_merges"):
+            if isinstance(getattr(tokenizer, attr, None), (dict, list)):
+                setattr(tokenizer, attr, None)
+    return tokenizer
 
 
 def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
@@ -250,8 +263,10 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
                                  "its own types, dtype='float32' dequantizes it)")
     if is_native_quantized(cfg):
         model, tokenizer = _load_native(local_gguf(cfg))
+        lean_tokenizer(tokenizer)
         if model.generation_config is not None and model.generation_config.pad_token_id is None:
             model.generation_config.pad_token_id = tokenizer.eos_token_id
+        trim_heap()  # what parsing the tokenizer (and a first load's GGUF decoding) freed
         return set_numerics(model, cfg.numerics), tokenizer
     where, gguf = resolve_model(cfg.model, cfg.gguf_file)
     config = load_config(where, gguf)
@@ -266,6 +281,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
                          else AutoTokenizer.from_pretrained(where))
     except Exception as e:
         raise ModelNotFoundError(f"cannot load model '{cfg.model}': {e}") from e
+    lean_tokenizer(tokenizer)
     if cfg.quantize:
         model = _quantized(model, cfg, where)
     if cfg.numerics != "exact":
@@ -273,6 +289,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     model = model.to(cfg.device).eval().requires_grad_(False)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.eos_token_id
+    trim_heap()  # what loading freed (the float model's, when it was quantized; the tokenizer's parsing)
     return model, tokenizer
 
 

@@ -5,6 +5,12 @@ A cache directory holds ``config.json`` and ``packed.safetensors``: each quantiz
 and offsets (``q.<module>.*``, with its type and shape in the metadata) and every float tensor
 (``f.<parameter>``). Loading maps the file (no decoding, no GGUF parsing); ``assemble`` puts the tensors
 into a meta-device transformers model, quantized modules in place of its Linear / Embedding.
+
+The projections the fast layers fuse (q, k, v; gate, up: ``FUSED``) are kept as one block of rows per run
+(``fused_runs``): in the file, one tensor under the run's first module (the metadata lists the runs), and
+in the model, each module's weight a slice of the run's. The fused kernel call then reads the very bytes
+the modules hold: a model keeps one copy of its packed weights, memory-mapped from the cache file, instead
+of the mapped pages plus a fused copy made when the engine is built.
 """
 
 from __future__ import annotations
@@ -20,9 +26,32 @@ from selfspec.errors import ModelNotFoundError
 from selfspec.paths import atomic_dir
 from selfspec.progress import quiet_transformers
 from selfspec.quant.modules import QuantEmbedding, QuantLinear
-from selfspec.quant.weight import QuantWeight
+from selfspec.quant.weight import LANES, QuantWeight
 
-PACK_VERSION = 1  # bump when the packed layout (selfspec/kernels/quant.cpp) changes: old caches are ignored
+PACK_VERSION = 2  # bump when the packed layout (selfspec/kernels/quant.cpp) or the file's changes: old caches
+# are ignored (2: fused runs stored as one tensor)
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # what FastLayer fuses (selfspec.models.fast)
+
+
+def fused_runs(quant: dict[str, QuantWeight]) -> list[list[str]]:
+    """Module names whose weights are kept as one block of rows: consecutive members of a ``FUSED`` group
+    under one parent that ``QuantWeight.concat`` can join (the rule the fast layers' fusing follows)."""
+    runs: list[list[str]] = []
+    for group in FUSED:
+        for name in quant:
+            parent, _, child = name.rpartition(".")
+            if child != group[0]:
+                continue
+            run: list[str] = []
+            for member in (f"{parent}.{c}" if parent else c for c in group):
+                if member not in quant:
+                    break
+                if run and not quant[run[-1]].joins(quant[member]):
+                    runs.append(run)
+                    run = []
+                run.append(member)
+            runs.append(run)
+    return [r for r in runs if len(r) > 1]
 
 
 def _set_module(model: nn.Module, dotted: str, module: nn.Module) -> None:
@@ -44,7 +73,18 @@ def load_packed(cache: Path) -> tuple[Any, dict[str, QuantWeight], dict[str, tor
         if meta.get("version") != str(PACK_VERSION):
             return None
         keys = set(f.keys())
-        for name, (type_name, n, k) in json.loads(meta["modules"]).items():
+        modules = json.loads(meta["modules"])
+        for run in json.loads(meta.get("runs", "[]")):  # one tensor of rows each: every module a slice of it
+            parts = {part: f.get_tensor(f"q.{run[0]}.{part}") for part in ("codes", "scales", "offsets")
+                     if f"q.{run[0]}.{part}" in keys}
+            start = 0
+            for name in run:
+                type_name, n, k = modules.pop(name)
+                end = start + n // LANES
+                quant[name] = QuantWeight(type_name, (n, k), parts["codes"][start:end], parts["scales"][start:end],
+                                          parts["offsets"][start:end] if "offsets" in parts else torch.empty(0))
+                start = end
+        for name, (type_name, n, k) in modules.items():
             offsets = f.get_tensor(f"q.{name}.offsets") if f"q.{name}.offsets" in keys else torch.empty(0)
             quant[name] = QuantWeight(type_name, (n, k), f.get_tensor(f"q.{name}.codes"),
                                       f.get_tensor(f"q.{name}.scales"), offsets)
@@ -59,15 +99,24 @@ def save_packed(cache: Path, config: Any, quant: dict[str, QuantWeight], floats:
     from safetensors.torch import save_file
 
     tensors = {f"f.{k}": v for k, v in floats.items()}
-    for name, qw in quant.items():
+    runs = fused_runs(quant)
+    stored = {run[0]: QuantWeight.concat([_detached(quant[n]) for n in run]) for run in runs}  # a run: one block
+    in_runs = {n for run in runs for n in run}
+    stored |= {name: qw for name, qw in quant.items() if name not in in_runs}
+    for name, qw in stored.items():
         tensors[f"q.{name}.codes"], tensors[f"q.{name}.scales"] = qw.codes, qw.scales
         if qw.offsets.numel():
             tensors[f"q.{name}.offsets"] = qw.offsets
     modules = {name: [qw.type_name, *qw.shape] for name, qw in quant.items()}
     with atomic_dir(cache) as tmp:
         config.save_pretrained(tmp)
-        save_file(tensors, str(tmp / "packed.safetensors"),
-                  metadata={"modules": json.dumps(modules), "version": str(PACK_VERSION)})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "packed.safetensors"),
+                  metadata={"modules": json.dumps(modules), "runs": json.dumps(runs), "version": str(PACK_VERSION)})
+
+
+def _detached(qw: QuantWeight) -> QuantWeight:
+    """A QuantWeight object over the same tensors (``concat`` re-points its parts: the caller's stay as they are)."""
+    return QuantWeight(qw.type_name, qw.shape, qw.codes, qw.scales, qw.offsets, qw.int8)
 
 
 def assemble(model: nn.Module, quant: dict[str, QuantWeight], floats: dict[str, torch.Tensor], source: str) -> nn.Module:
@@ -84,6 +133,8 @@ def assemble(model: nn.Module, quant: dict[str, QuantWeight], floats: dict[str, 
         else:
             bias = module.bias if module.bias is not None and module.bias.device.type != "meta" else None
             _set_module(model, module_name, QuantLinear(qw, None if bias is None else bias.detach()))
+    for run in fused_runs(quant):  # one block of rows per run (a view when it comes so from the cache)
+        QuantWeight.concat([quant[n] for n in run])
     if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.device.type == "meta":  # tied, no output.weight
         embed = model.model.embed_tokens
         if isinstance(embed, QuantEmbedding):

@@ -46,6 +46,19 @@ def _pack_groups(v: np.ndarray) -> np.ndarray:  # [N_pad, G] -> [N_pad / 16, G, 
     return np.ascontiguousarray(v.reshape(n // LANES, LANES, groups).transpose(0, 2, 1))
 
 
+def _joined(ts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(ts)``, or without a copy a view spanning them when they are consecutive contiguous slices
+    (along dim 0) of one storage."""
+    first = ts[0]
+    ptr, end = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in ts:
+        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr or t.storage_offset() != end
+                or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]):
+            return torch.cat(ts)
+        end += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in ts), *first.shape[1:]), first.stride())
+
+
 @dataclass
 class QuantWeight:
     """A [N, K] weight in the kernels' packed block form (see the module docstring)."""
@@ -149,17 +162,24 @@ class QuantWeight:
         out.int8 = self.int8
         return out
 
+    def joins(self, other: QuantWeight) -> bool:
+        """Whether ``concat`` can fuse ``other`` after this weight: one type, one K, one numerics mode and
+        row counts that are multiples of 16 (whole packed blocks)."""
+        return (other.type_name == self.type_name and other.shape[1] == self.shape[1] and other.int8 == self.int8
+                and self.shape[0] % LANES == 0 and other.shape[0] % LANES == 0)
+
     @staticmethod
     def concat(parts: list[QuantWeight]) -> QuantWeight:
         """Several weights of one type and K, each N a multiple of 16, as one (fused q/k/v, gate/up). The parts
-        are re-pointed at slices of the fused tensors, so the model holds one copy, not two."""
+        are re-pointed at slices of the fused tensors, so the model holds one copy, not two. Parts that already
+        are consecutive slices of one tensor (``selfspec.quant.store`` keeps such runs together) are fused as a
+        view of it: no copy at all."""
         first = parts[0]
-        if any(p.type_name != first.type_name or p.shape[1] != first.shape[1] or p.shape[0] % LANES
-               or p.int8 != first.int8 for p in parts):
+        if not all(first.joins(p) for p in parts):
             raise ValueError("concat needs one type, one K, one numerics mode and row counts that are multiples of 16")
         fused = QuantWeight(first.type_name, (sum(p.shape[0] for p in parts), first.shape[1]),
-                            torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                            torch.cat([p.offsets for p in parts]) if first.offsets.numel() else torch.empty(0),
+                            _joined([p.codes for p in parts]), _joined([p.scales for p in parts]),
+                            _joined([p.offsets for p in parts]) if first.offsets.numel() else torch.empty(0),
                             first.int8)
         start = 0
         for p in parts:

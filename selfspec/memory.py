@@ -1,0 +1,61 @@
+"""Resident memory: this process's figure, and giving freed heap pages back to the system.
+
+Loading a model frees much more than it keeps: a GGUF's decoded blocks, the tokenizer's parsed JSON, the
+calibration forwards' caches and activations. glibc's malloc keeps such freed pages in its arenas (they stay
+resident) unless asked to return them; ``trim_heap`` asks, at the end of those steps. Measured on the default
+model it returns 15-20 MB after a load from the packed cache and over 200 MB after a first load of
+Qwen2.5-Coder-0.5B (which decodes the GGUF).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+
+@lru_cache(maxsize=1)
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; absent on musl, macOS, Windows
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+def trim_heap() -> None:
+    """Return the C heap's free pages to the system (glibc ``malloc_trim(0)``); nothing elsewhere. Takes a few
+    milliseconds: call it after a step that freed a lot, never per decoding step."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def resident_mb() -> float:
+    """This process's resident memory (VmRSS) in MiB, NaN where /proc is not available."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def file_mappings() -> list[tuple[int, int, str, int]]:
+    """(start, end, path, resident bytes) of this process's file-backed memory mappings, from
+    /proc/self/smaps; empty where that is not available."""
+    out: list[tuple[int, int, str, int]] = []
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        head = line.split(maxsplit=5)
+        if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # "start-end perms offset dev inode [path]"
+            start, _, end = head[0].partition("-")
+            path = head[5] if len(head) > 5 and head[5].startswith("/") else ""
+            out.append((int(start, 16), int(end, 16), path, 0))
+        elif line.startswith("Rss:") and out:
+            start, end, path, _ = out[-1]
+            out[-1] = (start, end, path, int(line.split()[1]) * 1024)
+    return [m for m in out if m[2]]
