@@ -11,8 +11,8 @@ from conftest import LAYERS, tiny_model
 
 from selfspec import DraftConfig, SelfSpec
 from selfspec.bench.forward import RANGES, ForwardBenchConfig, format_tables, measure_bandwidth, run
-from selfspec.cli import build_parser, config_from_args
-from selfspec.config import ModelConfig
+from selfspec.cli import build_parser
+from selfspec.config import ModelConfig, config_from_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

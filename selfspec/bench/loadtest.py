@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from selfspec.config import opt
+from selfspec.config import add_config_args, config_from_args, opt
 
 PROMPTS = [
     "Name three colors of the rainbow.",
@@ -134,7 +134,7 @@ class Clients:
     """The request kinds; each returns a record {kind, ok, latency, tokens, detail}."""
 
     def __init__(self, url: str, cfg: LoadTestConfig, model: str) -> None:
-        import openai
+        import openai  # lazy: an optional dependency (the dev extra), needed only by the clients
 
         self.url, self.cfg, self.model = url, cfg, model
         self.openai = openai
@@ -318,8 +318,6 @@ def format_summary(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from selfspec.cli import add_config_args, config_from_args
-
     p = argparse.ArgumentParser(prog="python -m selfspec.bench.loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, LoadTestConfig)
