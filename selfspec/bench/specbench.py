@@ -63,7 +63,8 @@ class BenchConfig:
                                     "math_reasoning, rag) or question categories; repeat or comma-separate.")
     methods: list[str] = opt([], "Methods to time (see selfspec.bench.methods; repeat or comma-separate). "
                                  "Default: hf, hf-prompt-lookup, hf-early-exit, plain, selfspec-lm[-POLICY] for "
-                                 "every policy, and selfspec-trained[-POLICY] when a trained head is available.")
+                                 "every policy, and selfspec-trained[-POLICY] when a trained head is available.",
+                            comma_separated=False)  # specs hold commas (selfspec:a=1,b=2): split_specs splits
     exit_layer: int | None = opt(None, "Exit layer of selfspec-lm and hf-early-exit (None: the trained head's "
                                        "layer, else L // 4).")
     head: str = opt("auto", "Trained head directory of the selfspec-trained methods ('auto': the bundled "
