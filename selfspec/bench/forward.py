@@ -15,7 +15,7 @@ measured here too (``measure_bandwidth``), so each figure is also a fraction of 
 at batch 1 a forward is bandwidth bound, so t(n) / t(1) well below n is what makes verifying a
 block of drafts cheap; these figures show how far from that each backend is.
 
-    selfspec bench-forward --threads 2 --out runs/bench-forward.json --plot runs/bench-forward.png
+    selfspec bench-forward --threads 2 --out runs/bench-forward.json    # the plot: runs/bench-forward.png
 """
 
 from __future__ import annotations
@@ -58,10 +58,17 @@ class ForwardBenchConfig:
     reps: int = opt(8, "Timed repetitions per figure (the lower quartile is kept), after 2 warm-up calls.")
     bandwidth_mb: int = opt(256, "Size (MB) of the float32 tensor whose sum() measures memory read bandwidth.")
     out: str = opt("runs/bench-forward.json", "Where to write the results (JSON).")
-    plot: str = opt("runs/bench-forward.png", "Where to write the plot (PNG) of the first context; '' for none.")
+    plot: str | None = opt(None, "Where to write the plot (PNG) of the first context (None: beside --out, its "
+                                 "name with .png); '' for none.")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def plot_path(self) -> Path | None:
+        """Where the plot goes: ``plot``, else beside ``out`` (so every output lands where --out says)."""
+        if self.plot is None:
+            return Path(self.out).with_suffix(".png")
+        return Path(self.plot) if self.plot else None
 
 
 # ---- measurements ------------------------------------------------------------------------------
@@ -189,7 +196,7 @@ def _check(cfg: ForwardBenchConfig) -> list[int]:
 
 
 def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = None) -> dict:
-    """Time every backend x context x n x range; write ``cfg.out`` (JSON) and ``cfg.plot`` (PNG) and
+    """Time every backend x context x n x range; write ``cfg.out`` (JSON) and ``cfg.plot_path()`` (PNG) and
     return the results. ``ss``: an already loaded model (else ``model_cfg`` is loaded)."""
     sizes = _check(cfg)
     if model_cfg.threads:
@@ -268,8 +275,9 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
-    if cfg.plot:
-        write_plot(result, cfg.plot)
+    plot = cfg.plot_path()
+    if plot is not None:
+        write_plot(result, plot)
     return result
 
 
@@ -371,7 +379,8 @@ def cmd(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, ForwardBenchConfig)
     res = run(config_from_args(args, ModelConfig), cfg)
     print(format_tables(res))
-    print(f"\nresults: {cfg.out}" + (f", plot: {cfg.plot}" if cfg.plot else ""), file=sys.stderr)
+    plot = cfg.plot_path()
+    print(f"\nresults: {cfg.out}" + (f", plot: {plot}" if plot is not None else ""), file=sys.stderr)
     return 0
 
 

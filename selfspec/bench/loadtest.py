@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -86,12 +85,14 @@ def free_port() -> int:
 
 
 class SpawnedServer:
-    """``selfspec serve`` in a child process, logging to a temporary file."""
+    """``selfspec serve`` in a child process, logging beside the results (``--out`` with .server.log)."""
 
     def __init__(self, cfg: LoadTestConfig) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="selfspec-serve-", delete=False)
+        self.log_path = Path(cfg.out).with_suffix(".server.log")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.log_path, "w+")  # the child writes to it; read back by log_text()
         cmd = [sys.executable, "-m", "selfspec.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--api-key", cfg.api_key, "--log-level", "warning", "--max-queue", str(4 * cfg.clients)]
         if cfg.threads:
@@ -127,7 +128,7 @@ class SpawnedServer:
 
     def log_text(self) -> str:
         self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")
+        return self.log_path.read_text(errors="replace")
 
 
 class Clients:
@@ -298,6 +299,7 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
         "server": server_side, "rss_before_mb": rss_before, "rss_after_mb": rss_after,
         "server_exit_code": exit_code, "replica_pids": len(pids - {None}),
         "server_log_errors": [ln for ln in log.splitlines() if "Traceback" in ln or "ERROR" in ln][:20],
+        "server_log": str(server.log_path) if server is not None else None,
     }
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.out).write_text(json.dumps(result, indent=2))
