@@ -23,8 +23,10 @@ from selfspec.engine import Engine
 from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplateError
 from selfspec.heads.base import ExitHead
 from selfspec.heads.io import resolve_head
+from selfspec.models.loading import load_model, local_gguf, model_id_of
 from selfspec.models.split import SplitModel
 from selfspec.outputs import GenerationResult, RequestOutput, StreamEvent
+from selfspec.pipeline.service import PipelineService
 from selfspec.tuning import Tuning, head_depths, tuned
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -46,7 +48,6 @@ class SelfSpec:
     @classmethod
     def load(cls, model: str | ModelConfig = "default", draft: DraftConfig | None = None, **kw: Any) -> SelfSpec:
         """Load a target model (see ModelConfig) and set up its draft (see DraftConfig)."""
-        from selfspec.models.loading import load_model, local_gguf, model_id_of
 
         mcfg = model if isinstance(model, ModelConfig) else ModelConfig(model=model, **kw)
         hf_model, tokenizer = load_model(mcfg)
@@ -161,7 +162,6 @@ class SelfSpec:
         """Decode 'selfspec' requests with the pipeline (PPSD or Mirror-SD, selfspec.pipeline): ``generate``,
         ``stream`` and ``scheduler`` sessions (the server, one pipelined request at a time). Its deep stage loads
         ``model_config`` (default: a copy of this model). ``None`` config: back to the sequential engine."""
-        from selfspec.pipeline.service import PipelineService
 
         if self.pipeline is not None:
             self.pipeline.close()

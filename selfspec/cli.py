@@ -4,55 +4,36 @@ configs (selfspec.config), so names match the Python API: ``max_new_tokens`` <->
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from dataclasses import MISSING, fields
+from collections.abc import Callable
 from typing import Any
 
-from selfspec.config import DraftConfig, GenerateConfig, ModelConfig
+from selfspec.api import SelfSpec
+from selfspec.bench.batching import add_parser as add_bench_batch
+from selfspec.bench.forward import add_parser as add_bench_forward
+from selfspec.bench.pipeline import add_parser as add_bench_pipeline
+from selfspec.bench.quick import add_parser as add_bench_quick
+from selfspec.bench.specbench import add_parser as add_bench
+from selfspec.config import (
+    DraftConfig,
+    GenerateConfig,
+    ModelConfig,
+    PipelineConfig,
+    add_config_args,
+    config_from_args,
+)
+from selfspec.demo import add_parser as add_demo
 from selfspec.errors import SelfSpecError
-
-
-def _type_of(f: Any) -> tuple[Any, bool]:
-    """(argparse type, is_list) from a dataclass field's annotation string."""
-    t = str(f.type)
-    if t.startswith("list[str]"):
-        return str, True
-    if t.startswith("list[int]"):
-        return int, True
-    for name, typ in (("int", int), ("float", float), ("bool", bool)):
-        if t.startswith(name):
-            return typ, False
-    return str, False
-
-
-def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    group = parser.add_argument_group(cls.__name__, cls.__doc__)
-    for f in fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        typ, is_list = _type_of(f)
-        default = f.default if f.default is not MISSING else None
-        kw: dict[str, Any] = {"dest": f"{cls.__name__}.{f.name}", "help": f.metadata.get("help", "")}
-        if typ is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kw)
-            continue
-        if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
-        if is_list:
-            group.add_argument(flag, type=typ, action="append", default=None, **kw)
-        else:
-            group.add_argument(flag, type=typ, default=default, **kw)
-
-
-def config_from_args(args: argparse.Namespace, cls: type, **extra: Any) -> Any:
-    kw = {}
-    for f in fields(cls):
-        key = f"{cls.__name__}.{f.name}"
-        if hasattr(args, key) and getattr(args, key) is not None:
-            kw[f.name] = getattr(args, key)
-    kw.update(extra)
-    return cls(**kw)
+from selfspec.server.cli import add_parser as add_serve
+from selfspec.train.answers import add_parser as add_answer_prompts
+from selfspec.train.cli import add_parsers as add_train_and_eval_draft
+from selfspec.train.deep import add_parser as add_train_deep
+from selfspec.train.features import add_parser as add_collect_features
+from selfspec.train.nested import add_parser as add_train_nested
+from selfspec.train.predictors import add_parser as add_train_predictors
+from selfspec.train.sweep import add_parser as add_sweep_exit
+from selfspec.tuning import cache_path, format_tuning
 
 
 def _read_prompt(args: argparse.Namespace, chat: bool) -> Any:
@@ -64,8 +45,6 @@ def _read_prompt(args: argparse.Namespace, chat: bool) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from selfspec.api import SelfSpec
-
     ss = SelfSpec.load(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig))
     gen = config_from_args(args, GenerateConfig)
     chat = args.chat and ss.has_chat_template
@@ -76,8 +55,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("selfspec: note: method 'specee' is LOSSY (SpecEE as published): the text may differ from the "
               "model's own; 'specee-verified' is the lossless mode", file=sys.stderr)
     if args.pipeline:
-        from selfspec.config import PipelineConfig
-
         ss.use_pipeline(PipelineConfig(mode=args.pipeline, transport=args.pipeline_transport),
                         config_from_args(args, ModelConfig))
     result = None
@@ -100,10 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="selfspec", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
+def add_generate(sub: Any) -> None:
     g = sub.add_parser("generate", help="Generate text (streams to stdout, stats to stderr).")
     g.add_argument("prompt", nargs="?", default=None, help="The prompt; '-' or nothing reads stdin.")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
@@ -120,41 +94,55 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(g, GenerateConfig)
     g.set_defaults(func=cmd_generate)
 
-    from selfspec.bench.forward import add_parser as add_forward
-    from selfspec.demo import add_parser as add_demo
 
-    add_demo(sub)
-    from selfspec.bench.quick import add_parser as add_quick
-    from selfspec.bench.specbench import add_parser as add_bench
+def cmd_tune(args: argparse.Namespace) -> int:
+    draft = DraftConfig(head=args.head, exit_layer=args.exit_layer, tune="refresh" if args.refresh else "auto")
+    ss = SelfSpec.load(config_from_args(args, ModelConfig), draft)
+    t = ss.tuning_result
+    print(json.dumps(t.to_dict(), indent=1) if args.json else format_tuning(t))
+    print(f"\ncache: {cache_path(t.key)}")
+    return 0
 
-    add_quick(sub)
-    add_forward(sub)
-    add_bench(sub)
-    from selfspec.bench.batching import add_parser as add_bench_batch
 
-    add_bench_batch(sub)
-    from selfspec.bench.pipeline import add_parser as add_bench_pipeline
+def add_tune(sub: Any) -> None:
+    p = sub.add_parser("tune", help="Show (or make) the self-tuning calibration of a model + exit head on this "
+                       "machine: costs, acceptance per depth and tree width, the chosen draft shape.")
+    p.add_argument("--head", default="auto", help="Exit head: 'auto' (the bundled one), 'nested', 'lm' or a directory.")
+    p.add_argument("--exit-layer", type=int, default=None, help="Exit layer of an 'lm' head (default L // 4).")
+    p.add_argument("--refresh", action="store_true", help="Calibrate again even when a cached result exists.")
+    p.add_argument("--json", action="store_true", help="Print the cached JSON instead of tables.")
+    add_config_args(p, ModelConfig)
+    p.set_defaults(func=cmd_tune)
 
-    add_bench_pipeline(sub)
-    from selfspec.train.answers import add_parser as add_answers
-    from selfspec.train.cli import add_parsers as add_train
-    from selfspec.train.deep import add_parser as add_train_deep
-    from selfspec.train.features import add_parser as add_features
-    from selfspec.train.nested import add_parser as add_train_nested
-    from selfspec.train.predictors import add_parser as add_predictors
 
-    add_train(sub)
-    add_answers(sub)
-    add_features(sub)
-    add_train_deep(sub)
-    add_train_nested(sub)
-    add_predictors(sub)
-    from selfspec.server.app import add_parser as add_serve
-    from selfspec.tuning import add_parser as add_tune
+# The subcommands, in the order ``selfspec --help`` lists them: each entry registers its command(s) on the
+# subparsers. A command lives beside the code it runs (generate and tune, thin front ends of SelfSpec,
+# live here); nothing imports this module but selfspec.__main__.
+COMMANDS: tuple[Callable[[Any], None], ...] = (
+    add_generate,  # generate (above)
+    add_demo,  # demo (selfspec/demo.py)
+    add_bench_quick,  # bench-quick (selfspec/bench/quick.py)
+    add_bench_forward,  # bench-forward (selfspec/bench/forward.py)
+    add_bench,  # bench, bench report (selfspec/bench/specbench.py)
+    add_bench_batch,  # bench-batch (selfspec/bench/batching.py)
+    add_bench_pipeline,  # bench-pipeline (selfspec/bench/pipeline.py)
+    add_train_and_eval_draft,  # train, eval-draft (selfspec/train/cli.py)
+    add_sweep_exit,  # sweep-exit (selfspec/train/sweep.py)
+    add_answer_prompts,  # answer-prompts (selfspec/train/answers.py)
+    add_collect_features,  # collect-features (selfspec/train/features.py)
+    add_train_deep,  # train-deep (selfspec/train/deep.py)
+    add_train_nested,  # train-nested (selfspec/train/nested.py)
+    add_train_predictors,  # train-predictors (selfspec/train/predictors.py)
+    add_tune,  # tune (above)
+    add_serve,  # serve (selfspec/server/cli.py)
+)
 
-    add_tune(sub)
 
-    add_serve(sub)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="selfspec", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(sub)
     return p
 
 

@@ -2,11 +2,14 @@
 
 Every field carries its documentation in ``metadata["help"]``: the CLI builds its
 options from these (same names everywhere, ``max_new_tokens`` <-> ``--max-new-tokens``)
-and every results file records ``asdict(config)``.
+and every results file records ``asdict(config)``. ``add_config_args`` / ``config_from_args``
+(at the end) are that mapping: a config's fields as argparse options, and the parsed options back
+as a config; every command module uses them.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
@@ -176,7 +179,9 @@ class GenerateConfig:
     top_k: int = opt(0, "Keep only the k most likely tokens before sampling (0: off).")
     top_p: float = opt(1.0, "Nucleus sampling: keep the smallest set with this much probability (1: off).")
     seed: int | None = opt(None, "Seed of the sampling generator (None: nondeterministic).")
-    stop: list[str] = opt([], "Stop strings: generation ends before the first occurrence (not included).")
+    stop: list[str] = opt([], "Stop strings: generation ends before the first occurrence (not included). "
+                              "On the command line one per --stop (a comma is part of the string).",
+                          comma_separated=False)
     eos_token_ids: list[int] | None = opt(None, "End-of-sequence token ids (None: the model's own).")
     ignore_eos: bool = opt(False, "Keep generating past EOS tokens (benchmarks with a fixed length).")
     draft_sampling: str = opt(
@@ -239,3 +244,72 @@ def field_defaults(cls: type) -> dict[str, Any]:
         elif f.default_factory is not MISSING:  # type: ignore[misc]
             out[f.name] = f.default_factory()  # type: ignore[misc]
     return out
+
+
+# ---- configs <-> command-line options ------------------------------------------------------------
+def _type_of(f: Any) -> tuple[Any, bool]:
+    """(argparse type, is_list) from a dataclass field's annotation string."""
+    t = str(f.type)
+    if t.startswith("list[str]"):
+        return str, True
+    if t.startswith("list[int]"):
+        return int, True
+    for name, typ in (("int", int), ("float", float), ("bool", bool)):
+        if t.startswith(name):
+            return typ, False
+    return str, False
+
+
+def _list_item(typ: type, choices: list[Any] | None) -> Any:
+    """The argparse ``type`` of a list option: each occurrence gives one value or several, comma-separated
+    (``--block-sizes 1,2,4`` = ``--block-sizes 1 --block-sizes 2 --block-sizes 4``)."""
+
+    def parse(text: str) -> list[Any]:
+        values = [typ(part.strip()) for part in text.split(",") if part.strip()]
+        bad = [v for v in values if choices is not None and v not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"invalid choice: {bad[0]!r} (choose from {', '.join(map(str, choices))})")
+        return values
+
+    parse.__name__ = typ.__name__  # argparse names the type in its error: "invalid int value: '1,x'"
+    return parse
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one option per field of the dataclass ``cls`` (``max_new_tokens`` -> ``--max-new-tokens``), in
+    an argument group named after it; the field's ``help`` and ``choices`` metadata become the option's.
+    A list field's option may be repeated and each value may list several, comma-separated (unless the
+    field's metadata says ``comma_separated=False``: then one value per occurrence)."""
+    group = parser.add_argument_group(cls.__name__, cls.__doc__)
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ, is_list = _type_of(f)
+        default = f.default if f.default is not MISSING else None
+        kw: dict[str, Any] = {"dest": f"{cls.__name__}.{f.name}", "help": f.metadata.get("help", "")}
+        if typ is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kw)
+            continue
+        if is_list and f.metadata.get("comma_separated", True):
+            group.add_argument(flag, type=_list_item(typ, f.metadata.get("choices")), action="extend", default=None,
+                               **kw)
+            continue
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        if is_list:
+            group.add_argument(flag, type=typ, action="append", default=None, **kw)
+        else:
+            group.add_argument(flag, type=typ, default=default, **kw)
+
+
+def config_from_args(args: argparse.Namespace, cls: type, **extra: Any) -> Any:
+    """The ``cls`` config of parsed options (added by ``add_config_args``): options not given keep the
+    field's default; ``extra`` overrides."""
+    kw = {}
+    for f in fields(cls):
+        key = f"{cls.__name__}.{f.name}"
+        if hasattr(args, key) and getattr(args, key) is not None:
+            kw[f.name] = getattr(args, key)
+    kw.update(extra)
+    return cls(**kw)

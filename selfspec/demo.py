@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.config import ModelConfig, opt
+from selfspec.api import SelfSpec
+from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
 
 DEMO_PROMPT = "Write a short poem about speculative decoding, then explain the idea in two sentences."
 
@@ -24,8 +25,6 @@ class DemoConfig:
 
 
 def run(model_cfg: ModelConfig, cfg: DemoConfig) -> list[dict]:
-    from selfspec.api import SelfSpec
-
     ss = SelfSpec.load(model_cfg)
     ids = ss.encode([{"role": "user", "content": cfg.prompt}])
 
@@ -67,8 +66,6 @@ def run(model_cfg: ModelConfig, cfg: DemoConfig) -> list[dict]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from selfspec.cli import add_config_args, config_from_args
-
     p = sub.add_parser("demo", help="One prompt through transformers' generate and selfspec, side by side.")
     add_config_args(p, ModelConfig)
     add_config_args(p, DemoConfig)

@@ -9,7 +9,7 @@ On first use of a model + exit head on a machine (``DraftConfig.tune="auto"``), 
 and chooses the (depth, tree width, draft cap) whose measured acceptance promises the best speed over
 plain decoding at the measured costs (selfspec.costs.speedup). The result, with everything measured, is
 cached as JSON under ``cache_root()/tuning`` (keyed by model, head, dtype, backend, threads and CPU) and
-shown by ``selfspec tune``. Fields a user sets in DraftConfig always win over it; the online policy
+shown by ``selfspec tune`` (selfspec/cli.py). Fields a user sets in DraftConfig always win over it; the online policy
 (Thompson, seeded per request) starts from the calibrated acceptance as its prior and keeps learning.
 
 When nothing pays (an untrained exit that rarely agrees) the choice is a draft cap of 0 with a low prior:
@@ -32,9 +32,11 @@ from selfspec.config import GenerateConfig
 from selfspec.costs import DraftCosts, best_gamma, measure_draft_costs
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import FixedPolicy
+from selfspec.engine import MAX_TREE_NODES, Engine
 from selfspec.heads.base import ExitHead, model_fingerprint
 from selfspec.memory import trim_heap
 from selfspec.models.split import SplitModel
+from selfspec.paths import cache_root
 from selfspec.progress import progress
 
 TUNING_VERSION = 4
@@ -90,8 +92,6 @@ def tuning_key(split: SplitModel, head: ExitHead) -> dict[str, Any]:
 
 
 def cache_path(key: dict[str, Any]) -> Path:
-    from selfspec.models.loading import cache_root
-
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "tuning" / f"{digest}.json"
 
@@ -181,8 +181,6 @@ def record_rounds(split: SplitModel, head: ExitHead, depth: int, width: int, pro
                   new_tokens: int) -> _Recorder:
     """Decode ``prompts`` greedily with fixed drafts at ``depth`` (chains, or trees of ``width``), recording
     every round's confidences and accepted count."""
-    from selfspec.engine import MAX_TREE_NODES, Engine
-
     cap = CHAIN_CAP if width <= 1 else min(TREE_CAP, max(1, (MAX_TREE_NODES - 1) // width))
     rec = _Recorder(depth, cap)
     engine = Engine(split, EarlyExitDrafter(split, head, rec, lookup=0), gamma=cap, tree_width=width)
@@ -274,30 +272,3 @@ def format_tuning(t: Tuning) -> str:
         deep = " / ".join(str(c["deep"].get(n, "-")) for n in ("1", "4", "16"))
         lines.append(f"| {d} | {c['shallow']} | {c['head']} | {c['plain']} | {deep} |")
     return "\n".join(lines)
-
-
-def add_parser(sub: Any) -> None:
-    from selfspec.cli import add_config_args
-    from selfspec.config import ModelConfig
-
-    p = sub.add_parser("tune", help="Show (or make) the self-tuning calibration of a model + exit head on this "
-                       "machine: costs, acceptance per depth and tree width, the chosen draft shape.")
-    p.add_argument("--head", default="auto", help="Exit head: 'auto' (the bundled one), 'nested', 'lm' or a directory.")
-    p.add_argument("--exit-layer", type=int, default=None, help="Exit layer of an 'lm' head (default L // 4).")
-    p.add_argument("--refresh", action="store_true", help="Calibrate again even when a cached result exists.")
-    p.add_argument("--json", action="store_true", help="Print the cached JSON instead of tables.")
-    add_config_args(p, ModelConfig)
-    p.set_defaults(func=cmd_tune)
-
-
-def cmd_tune(args: Any) -> int:
-    from selfspec.api import SelfSpec
-    from selfspec.cli import config_from_args
-    from selfspec.config import DraftConfig, ModelConfig
-
-    draft = DraftConfig(head=args.head, exit_layer=args.exit_layer, tune="refresh" if args.refresh else "auto")
-    ss = SelfSpec.load(config_from_args(args, ModelConfig), draft)
-    t = ss.tuning_result
-    print(json.dumps(t.to_dict(), indent=1) if args.json else format_tuning(t))
-    print(f"\ncache: {cache_path(t.key)}")
-    return 0

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import LAYERS, tiny_model
+from conftest import LAYERS, tiny_model, tiny_tokenizer
 
 from selfspec import DraftConfig, SelfSpec
 from selfspec.bench.forward import RANGES, ForwardBenchConfig, format_tables, measure_bandwidth, run
-from selfspec.cli import build_parser, config_from_args
-from selfspec.config import ModelConfig
+from selfspec.cli import build_parser, main
+from selfspec.config import ModelConfig, config_from_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,15 +45,40 @@ def test_bench_forward_tiny(tmp_path: Path) -> None:
     assert "context 8" in table and table.count("| fast |") == len(RANGES)
 
 
+def test_plot_goes_beside_out_unless_given() -> None:
+    assert ForwardBenchConfig(out="x/fwd.json").plot_path() == Path("x/fwd.png")
+    assert ForwardBenchConfig(out="x/fwd.json", plot="y/p.png").plot_path() == Path("y/p.png")
+    assert ForwardBenchConfig(out="x/fwd.json", plot="").plot_path() is None
+
+
+def test_cli_bench_forward_writes_everything_under_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``selfspec bench-forward --out DIR/fwd.json``: the results and the plot land in DIR, nothing in the
+    working directory (where the default runs/ would be)."""
+    model_dir = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    out = tmp_path / "results" / "fwd.json"
+    assert main(["bench-forward", "--model", str(model_dir), "--threads", "1", "--block-sizes", "1,2",
+                 "--contexts", "8", "--backends", "fast", "--reps", "1", "--bandwidth-mb", "8",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["block_sizes"] == [1, 2]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["fwd.json", "fwd.png"]
+    assert list(cwd.iterdir()) == []
+
+
 def test_measure_bandwidth() -> None:
     assert measure_bandwidth(4) > 0
 
 
 def test_cli_parses_bench_forward() -> None:
-    args = build_parser().parse_args(["bench-forward", "--block-sizes", "1", "--block-sizes", "2",
+    args = build_parser().parse_args(["bench-forward", "--block-sizes", "1", "--block-sizes", "2,4",
                                       "--backends", "fast", "--exit-layer", "3", "--threads", "1"])
     cfg = config_from_args(args, ForwardBenchConfig)
-    assert cfg.block_sizes == [1, 2] and cfg.backends == ["fast"] and cfg.exit_layer == 3
+    assert cfg.block_sizes == [1, 2, 4] and cfg.backends == ["fast"] and cfg.exit_layer == 3
     assert cfg.contexts == [256, 1024] and cfg.reps == 8
     assert config_from_args(args, ModelConfig).threads == 1
     assert args.func.__module__ == "selfspec.bench.forward"

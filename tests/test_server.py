@@ -551,6 +551,7 @@ def test_bounded_load_test_against_a_real_server_process(tmp_path):
     if r["rss_before_mb"] is not None:
         assert r["rss_after_mb"] - r["rss_before_mb"] < 150, (r["rss_before_mb"], r["rss_after_mb"])
     assert json.loads((tmp_path / "load.json").read_text())["requests"] == 20
+    assert r["server_log"] == str(tmp_path / "load.server.log")  # beside --out, like every output
 
 
 @pytest.mark.slow

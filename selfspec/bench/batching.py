@@ -33,6 +33,9 @@ from typing import Any
 
 import torch
 
+from selfspec.api import SelfSpec
+from selfspec.batch.scheduler import BatchConfig, Scheduler
+from selfspec.bench.eqspec import PaddedBatch
 from selfspec.bench.specbench import (
     DEFAULT_QUESTIONS,
     load_questions,
@@ -40,8 +43,12 @@ from selfspec.bench.specbench import (
     select_questions,
     turn_prompt,
 )
-from selfspec.config import GenerateConfig, ModelConfig, opt
+from selfspec.config import GenerateConfig, ModelConfig, add_config_args, config_from_args, opt
+from selfspec.drafting.early_exit import EarlyExitDrafter
+from selfspec.drafting.policies import make_policy
+from selfspec.engine import Engine
 from selfspec.errors import InvalidConfigError
+from selfspec.heads.io import new_head
 from selfspec.progress import progress
 
 METHODS = ("hf", "plain", "exspec", "exspec-lm", "eqspec")
@@ -76,12 +83,6 @@ class Runner:
     """The methods over one loaded model; each ``run`` decodes one group -> (outputs, wall, latencies, extra)."""
 
     def __init__(self, ss: Any, cfg: BatchBenchConfig) -> None:
-        from selfspec.bench.eqspec import PaddedBatch
-        from selfspec.drafting.early_exit import EarlyExitDrafter
-        from selfspec.drafting.policies import make_policy
-        from selfspec.engine import Engine
-        from selfspec.heads.io import new_head
-
         self.ss, self.cfg = ss, cfg
         head = new_head("lm", ss.split, cfg.exit_layer)
         self.padded = PaddedBatch(ss.split, head, cfg.gamma)
@@ -89,8 +90,6 @@ class Runner:
         self.eos = ss.eos_token_ids
 
     def run(self, method: str, group: list[list[int]], n: int) -> tuple[list[list[int]], float, list[float], dict]:
-        from selfspec.batch.scheduler import BatchConfig, Scheduler
-
         if method == "hf":
             return self._hf(group, n)
         if method == "eqspec":
@@ -139,8 +138,6 @@ class Runner:
 
 
 def run(cfg: BatchBenchConfig, model_cfg: ModelConfig | None = None, ss: Any = None) -> dict:
-    from selfspec.api import SelfSpec
-
     bad = sorted(set(cfg.methods) - set(METHODS))
     if bad or not cfg.methods:
         raise InvalidConfigError(f"unknown methods {bad} (known: {', '.join(METHODS)})")
@@ -207,7 +204,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: a heavy import, needed only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -230,8 +227,6 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def cmd(args: argparse.Namespace) -> int:
-    from selfspec.cli import config_from_args
-
     cfg = config_from_args(args, BatchBenchConfig)
     result = run(cfg, config_from_args(args, ModelConfig))
     print(format_table(result["rows"]))
@@ -240,8 +235,6 @@ def cmd(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    from selfspec.cli import add_config_args
-
     p = sub.add_parser("bench-batch", help="Batched decoding throughput: plain, EXSPEC, EQSPEC, hf padded generate.")
     add_config_args(p, ModelConfig)
     add_config_args(p, BatchBenchConfig)

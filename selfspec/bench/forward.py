@@ -18,30 +18,33 @@ block of drafts cheap; these figures show how far from that each backend is.
 The report ends with the resident memory after load and what it is made of (``memory_breakdown``: runtime,
 packed weights, float parameters, exit head, KV caches), checked against issue 25's bound.
 
-    selfspec bench-forward --threads 2 --out runs/bench-forward.json --plot runs/bench-forward.png
+    selfspec bench-forward --threads 2 --out runs/bench-forward.json    # the plot: runs/bench-forward.png
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from selfspec.config import DraftConfig, ModelConfig, opt
+from selfspec.api import SelfSpec
+from selfspec.bench.specbench import machine_info
+from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
 from selfspec.costs import time_call, time_head, time_layers
 from selfspec.errors import InvalidConfigError
+from selfspec.heads.io import bundled_head_dir, read_head_config
 from selfspec.memory import file_mappings, resident_mb
+from selfspec.models.cache import KVCache
+from selfspec.models.split import BACKENDS, SplitModel
 from selfspec.progress import progress
-
-if TYPE_CHECKING:
-    from selfspec.api import SelfSpec
-    from selfspec.models.split import SplitModel
 
 FORMAT = "selfspec-bench-forward/1"
 RANGES = ("full", "shallow", "deep", "head")
@@ -61,10 +64,17 @@ class ForwardBenchConfig:
     reps: int = opt(8, "Timed repetitions per figure (the lower quartile is kept), after 2 warm-up calls.")
     bandwidth_mb: int = opt(256, "Size (MB) of the float32 tensor whose sum() measures memory read bandwidth.")
     out: str = opt("runs/bench-forward.json", "Where to write the results (JSON).")
-    plot: str = opt("runs/bench-forward.png", "Where to write the plot (PNG) of the first context; '' for none.")
+    plot: str | None = opt(None, "Where to write the plot (PNG) of the first context (None: beside --out, its "
+                                 "name with .png); '' for none.")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def plot_path(self) -> Path | None:
+        """Where the plot goes: ``plot``, else beside ``out`` (so every output lands where --out says)."""
+        if self.plot is None:
+            return Path(self.out).with_suffix(".png")
+        return Path(self.plot) if self.plot else None
 
 
 # ---- measurements ------------------------------------------------------------------------------
@@ -138,7 +148,6 @@ def _live_kv_bytes() -> int:
     """Bytes of the KV caches alive in this process (requests make their own, sized to them)."""
     import gc
 
-    from selfspec.models.cache import KVCache
 
     gc.collect()
     return sum(t.numel() * t.element_size() for c in gc.get_objects() if issubclass(type(c), KVCache)
@@ -178,8 +187,6 @@ def memory_breakdown(ss: SelfSpec, rss_after_load: float) -> dict[str, Any]:
 def kernel_figures(ss: SelfSpec, sizes: list[int], reps: int, bandwidth: float) -> list[dict]:
     """Per block-quantized type in the model, its largest matrix through the kernel at each n: ms, GB/s of its
     packed bytes, GFLOP/s."""
-    from selfspec.costs import time_call
-
     biggest: dict[str, Any] = {}
     for m in ss.model.modules():
         qw = getattr(m, "qweight", None)
@@ -225,8 +232,6 @@ def range_weights(split: SplitModel, head, exit_layer: int) -> dict[str, int]:
 
 def default_exit_layer(ss: SelfSpec) -> int:
     """The bundled trained head's exit layer when the model has one, else L // 4 (at least 1)."""
-    from selfspec.heads.io import bundled_head_dir, read_head_config
-
     bundled = bundled_head_dir(ss.model_id)
     if bundled is not None:
         return int(read_head_config(bundled)["exit_layer"])
@@ -238,16 +243,12 @@ def _head_on(head, split: SplitModel):
     sharing the weights, or the head itself when it already belongs to ``split``."""
     if head.split is split:
         return head
-    import copy
-
     twin = copy.copy(head)
     object.__setattr__(twin, "split", split)
     return twin
 
 
 def _check(cfg: ForwardBenchConfig) -> list[int]:
-    from selfspec.models.split import BACKENDS
-
     if not cfg.block_sizes or any(n < 1 for n in cfg.block_sizes):
         raise InvalidConfigError(f"block sizes must be >= 1, got {cfg.block_sizes}")
     if not cfg.contexts or any(c < 0 for c in cfg.contexts):
@@ -261,17 +262,12 @@ def _check(cfg: ForwardBenchConfig) -> list[int]:
 
 
 def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = None) -> dict:
-    """Time every backend x context x n x range; write ``cfg.out`` (JSON) and ``cfg.plot`` (PNG) and
+    """Time every backend x context x n x range; write ``cfg.out`` (JSON) and ``cfg.plot_path()`` (PNG) and
     return the results. ``ss``: an already loaded model (else ``model_cfg`` is loaded)."""
-    from selfspec.bench.specbench import machine_info
-    from selfspec.models.split import SplitModel
-
     sizes = _check(cfg)
     if model_cfg.threads:
         torch.set_num_threads(model_cfg.threads)
     if ss is None:
-        from selfspec.api import SelfSpec
-
         # a fixed gamma: the bench needs the head, not the draft-cost measurement of gamma=None
         ss = SelfSpec.load(replace(model_cfg, backend=cfg.backends[0]), DraftConfig(exit_layer=cfg.exit_layer, gamma=4))
     rss_after_load = resident_mb()  # before a reference backend dequantizes anything
@@ -345,8 +341,9 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
-    if cfg.plot:
-        write_plot(result, cfg.plot)
+    plot = cfg.plot_path()
+    if plot is not None:
+        write_plot(result, plot)
     return result
 
 
@@ -422,6 +419,7 @@ def format_memory(mem: dict) -> str:
 def write_plot(result: dict, path: str | Path) -> Path:
     """ms vs n per range (fast solid, reference dashed, log-x) with the bandwidth floor of "full", and
     t(n) / t(1) vs n, at the first context."""
+    # lazy: matplotlib is a heavy import, needed only when a plot is drawn
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -469,20 +467,15 @@ def write_plot(result: dict, path: str | Path) -> Path:
 
 # ---- command line ------------------------------------------------------------------------------
 def cmd(args: argparse.Namespace) -> int:
-    import sys
-
-    from selfspec.cli import config_from_args
-
     cfg = config_from_args(args, ForwardBenchConfig)
     res = run(config_from_args(args, ModelConfig), cfg)
     print(format_tables(res))
-    print(f"\nresults: {cfg.out}" + (f", plot: {cfg.plot}" if cfg.plot else ""), file=sys.stderr)
+    plot = cfg.plot_path()
+    print(f"\nresults: {cfg.out}" + (f", plot: {plot}" if plot is not None else ""), file=sys.stderr)
     return 0
 
 
 def add_parser(sub: Any) -> None:
-    from selfspec.cli import add_config_args
-
     p = sub.add_parser("bench-forward", help="Time the forward ranges (full, shallow, deep, exit head) per "
                                              "block size n: ms, t(n)/t(1), GB/s against measured bandwidth.")
     add_config_args(p, ModelConfig, skip=("backend",))

@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -31,7 +30,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from selfspec.config import opt
+from selfspec.config import add_config_args, config_from_args, opt
 
 PROMPTS = [
     "Name three colors of the rainbow.",
@@ -86,12 +85,14 @@ def free_port() -> int:
 
 
 class SpawnedServer:
-    """``selfspec serve`` in a child process, logging to a temporary file."""
+    """``selfspec serve`` in a child process, logging beside the results (``--out`` with .server.log)."""
 
     def __init__(self, cfg: LoadTestConfig) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="selfspec-serve-", delete=False)
+        self.log_path = Path(cfg.out).with_suffix(".server.log")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.log_path, "w+")  # the child writes to it; read back by log_text()
         cmd = [sys.executable, "-m", "selfspec.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--api-key", cfg.api_key, "--log-level", "warning", "--max-queue", str(4 * cfg.clients)]
         if cfg.threads:
@@ -127,14 +128,14 @@ class SpawnedServer:
 
     def log_text(self) -> str:
         self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")
+        return self.log_path.read_text(errors="replace")
 
 
 class Clients:
     """The request kinds; each returns a record {kind, ok, latency, tokens, detail}."""
 
     def __init__(self, url: str, cfg: LoadTestConfig, model: str) -> None:
-        import openai
+        import openai  # lazy: an optional dependency (the dev extra), needed only by the clients
 
         self.url, self.cfg, self.model = url, cfg, model
         self.openai = openai
@@ -298,6 +299,7 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
         "server": server_side, "rss_before_mb": rss_before, "rss_after_mb": rss_after,
         "server_exit_code": exit_code, "replica_pids": len(pids - {None}),
         "server_log_errors": [ln for ln in log.splitlines() if "Traceback" in ln or "ERROR" in ln][:20],
+        "server_log": str(server.log_path) if server is not None else None,
     }
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.out).write_text(json.dumps(result, indent=2))
@@ -318,8 +320,6 @@ def format_summary(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from selfspec.cli import add_config_args, config_from_args
-
     p = argparse.ArgumentParser(prog="python -m selfspec.bench.loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, LoadTestConfig)

@@ -38,8 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.bench import llamacpp
 from selfspec.config import DraftConfig, GenerateConfig
 from selfspec.errors import InvalidConfigError
+from selfspec.heads.io import bundled_head_dir, read_head_config
 
 if TYPE_CHECKING:
     from selfspec.api import SelfSpec
@@ -109,7 +111,6 @@ def split_specs(values: list[str]) -> list[str]:
 
 def trained_head(cfg: BenchConfig, ss: SelfSpec) -> str | None:
     """The trained head directory of the ``selfspec-trained`` presets, or None when there is none."""
-    from selfspec.heads.io import bundled_head_dir, read_head_config
 
     if cfg.head in ("", "lm", "none"):
         return None
@@ -123,7 +124,6 @@ def trained_head(cfg: BenchConfig, ss: SelfSpec) -> str | None:
 def bench_exit_layer(cfg: BenchConfig, ss: SelfSpec) -> int:
     """The exit layer shared by the untrained presets and hf-early-exit: --exit-layer, else the trained
     head's layer, else L // 4."""
-    from selfspec.heads.io import read_head_config
 
     if cfg.exit_layer is not None:
         return cfg.exit_layer
@@ -200,8 +200,6 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
         return Method(name, base, spec, options={"assistant_early_exit": layer},
                       info={"exit_layer": layer, "num_layers": ss.split.num_layers})
     if base == "llama-cpp":
-        from selfspec.bench import llamacpp
-
         spec_type = kv.pop("spec", "none")
         _no_more(kv, spec)
         if ss.source_gguf is None:
@@ -231,11 +229,9 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
         if values.get("head") == "trained":
             values["head"] = _need_trained(cfg, ss, spec)
         if values.get("head") == "auto":  # DraftConfig's 'auto': the bundled head if any, else lm
-            from selfspec.heads.io import bundled_head_dir
 
             values["head"] = str(bundled_head_dir(ss.model_id) or "lm")
         if values.get("head") == "nested":  # the bundled nested (multi-depth) head
-            from selfspec.heads.io import bundled_head_dir
 
             nested = bundled_head_dir(ss.model_id + "-nested")
             if nested is None:
@@ -269,7 +265,6 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
     if ss.tuning_result is not None:  # the self-tuning calibration the method ran with
         info["tuning"] = ss.tuning_result.to_dict()
     if draft.head != "lm":
-        from selfspec.heads.io import read_head_config
 
         info["head_config"] = read_head_config(draft.head)
     return Method(_slug(name), "selfspec", spec, draft=draft, info=info)
@@ -305,8 +300,6 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) 
     if method.kind in HF_KINDS:
         return _run_hf(ss, ids, max_new_tokens, method.options)
     if method.kind == "llama-cpp":
-        from selfspec.bench import llamacpp
-
         tokens, wall, timings = llamacpp.generate(ss.source_gguf, torch.get_num_threads(), method.options["spec"],
                                                   ids, max_new_tokens, ss.eos_token_ids)
         drafted = timings.get("draft_n")

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from selfspec.api import SelfSpec
 from selfspec.bench.specbench import (
     DEFAULT_QUESTIONS,
     load_questions,
@@ -40,8 +41,18 @@ from selfspec.bench.specbench import (
     select_questions,
     turn_prompt,
 )
-from selfspec.config import GenerateConfig, ModelConfig, PipelineConfig, opt
+from selfspec.config import (
+    GenerateConfig,
+    ModelConfig,
+    PipelineConfig,
+    add_config_args,
+    config_from_args,
+    opt,
+)
+from selfspec.costs import measure_draft_costs
 from selfspec.errors import InvalidConfigError
+from selfspec.pipeline import Pipeline
+from selfspec.pipeline.costs import predict
 from selfspec.progress import progress
 
 METHODS = ("plain", "selfspec", "ppsd", "mirror", "ppsd-1dev", "mirror-1dev")
@@ -65,8 +76,6 @@ class PipelineBenchConfig:
 
 class Runner:
     def __init__(self, ss: Any, cfg: PipelineBenchConfig, model_cfg: ModelConfig | None, threads: int) -> None:
-        from selfspec.pipeline import Pipeline
-
         self.ss, self.cfg, self.threads = ss, cfg, threads
         base = PipelineConfig(gamma=cfg.gamma, mirror_top_k=cfg.mirror_top_k)
         self.pipes: dict[str, Any] = {}
@@ -101,9 +110,6 @@ class Runner:
 def predictions(ss: Any, cfg: PipelineBenchConfig, acceptance: float, threads: int, p_ahead: float) -> dict:
     """The cost model for the default head at ``acceptance``: stage costs measured with one thread (two
     processes on this machine) and with ``threads`` (each stage on a device of its own)."""
-    from selfspec.costs import measure_draft_costs
-    from selfspec.pipeline.costs import predict
-
     out = {}
     for label, n in (("one_thread_per_stage", 1), ("two_devices", threads)):
         torch.set_num_threads(n)
@@ -117,8 +123,6 @@ def predictions(ss: Any, cfg: PipelineBenchConfig, acceptance: float, threads: i
 def run(cfg: PipelineBenchConfig, model_cfg: ModelConfig | None = None, ss: Any = None) -> dict:
     """The benchmark over ``model_cfg`` (the deep process loads it too), or over a loaded ``ss`` (the deep
     process gets a copy of its weights; tests)."""
-    from selfspec.api import SelfSpec
-
     bad = sorted(set(cfg.methods) - set(METHODS))
     if bad or not cfg.methods or "plain" not in cfg.methods:
         raise InvalidConfigError(f"methods must include plain and be among {', '.join(METHODS)} (got {cfg.methods})")
@@ -209,8 +213,6 @@ def format_table(result: dict) -> str:
 
 
 def cmd(args: argparse.Namespace) -> int:
-    from selfspec.cli import config_from_args
-
     cfg = config_from_args(args, PipelineBenchConfig)
     result = run(cfg, config_from_args(args, ModelConfig))
     print(format_table(result))
@@ -219,8 +221,6 @@ def cmd(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    from selfspec.cli import add_config_args
-
     p = sub.add_parser("bench-pipeline", help="PPSD and Mirror-SD on Spec-Bench next to the sequential engine.")
     add_config_args(p, ModelConfig)
     add_config_args(p, PipelineBenchConfig)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, opt
+from selfspec.api import SelfSpec
+from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, add_config_args, config_from_args, opt
 from selfspec.progress import progress
 
 PROMPTS = [
@@ -41,8 +42,6 @@ class QuickBenchConfig:
 
 
 def run(model_cfg: ModelConfig, cfg: QuickBenchConfig) -> dict:
-    from selfspec.api import SelfSpec
-
     ss = SelfSpec.load(model_cfg)
     tok = ss.tokenizer
     prompts = [ss.encode([{"role": "user", "content": p}]) for p in PROMPTS[: cfg.num_prompts]]
@@ -112,16 +111,12 @@ def format_table(summary: dict) -> str:
 
 
 def cmd(args: argparse.Namespace) -> int:
-    from selfspec.cli import config_from_args
-
     res = run(config_from_args(args, ModelConfig), config_from_args(args, QuickBenchConfig))
     print(format_table(res["summary"]))
     return 0
 
 
 def add_parser(sub) -> None:
-    from selfspec.cli import add_config_args
-
     p = sub.add_parser("bench-quick", help="Time hf generate, plain and selfspec side by side on a few prompts.")
     add_config_args(p, ModelConfig)
     add_config_args(p, QuickBenchConfig)

@@ -26,16 +26,26 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+import selfspec
+from selfspec.api import SelfSpec
+from selfspec.bench import llamacpp
 from selfspec.bench.methods import Method, resolve_methods, run_turn
-from selfspec.bench.report import GROUPS, MT_BENCH_CATEGORIES, compute_divergences, group_of, read_answers
-from selfspec.config import GenerateConfig, ModelConfig, opt
+from selfspec.bench.report import (
+    GROUPS,
+    MT_BENCH_CATEGORIES,
+    compare_runs,
+    compute_divergences,
+    group_of,
+    read_answers,
+    write_report,
+)
+from selfspec.config import GenerateConfig, ModelConfig, add_config_args, config_from_args, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.progress import progress
-
-if TYPE_CHECKING:
-    from selfspec.api import SelfSpec
 
 DEFAULT_QUESTIONS = "../shared/specbench/question.jsonl"
 FORMAT = "selfspec-specbench/1"
@@ -53,7 +63,8 @@ class BenchConfig:
                                     "math_reasoning, rag) or question categories; repeat or comma-separate.")
     methods: list[str] = opt([], "Methods to time (see selfspec.bench.methods; repeat or comma-separate). "
                                  "Default: hf, hf-prompt-lookup, hf-early-exit, plain, selfspec-lm[-POLICY] for "
-                                 "every policy, and selfspec-trained[-POLICY] when a trained head is available.")
+                                 "every policy, and selfspec-trained[-POLICY] when a trained head is available.",
+                            comma_separated=False)  # specs hold commas (selfspec:a=1,b=2): split_specs splits
     exit_layer: int | None = opt(None, "Exit layer of selfspec-lm and hf-early-exit (None: the trained head's "
                                        "layer, else L // 4).")
     head: str = opt("auto", "Trained head directory of the selfspec-trained methods ('auto': the bundled "
@@ -186,10 +197,7 @@ def answer_question(ss: SelfSpec, method: Method, q: Question, max_new_tokens: i
 
 # ---- manifest ----------------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
-    import torch
-    import transformers
-
-    import selfspec
+    import transformers  # lazy: a heavy import, loaded anyway once a model is (selfspec.models.loading)
 
     cpu = ""
     try:
@@ -255,13 +263,11 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
               on_answer: Callable[[str, int], None] | None = None) -> str:
     """Run (or resume) the benchmark; returns the summary as markdown. ``ss`` lets a caller pass an
     already loaded model; ``on_answer(method, question_id)`` is called after each durable answer."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # lazy: as in machine_info
 
     questions = load_questions(cfg.questions)
     chosen = select_questions(questions, cfg.categories, cfg.limit)
     if ss is None:
-        from selfspec.api import SelfSpec
-
         ss = SelfSpec.load(model_cfg or ModelConfig())
     methods = resolve_methods(cfg.methods, cfg, ss)
     run = Path(cfg.out)
@@ -298,21 +304,15 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
                                        cfg.baseline, cfg.near_tie, known)
             _write_json(div_path, divs)
     finally:
-        from selfspec.bench import llamacpp
-
         llamacpp.stop_all()
         hf_logging.set_verbosity(verbosity)
     manifest["sessions"][-1]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     _write_json(run / "manifest.json", manifest)
-    from selfspec.bench.report import write_report
-
     return write_report(run, cfg.baseline)
 
 
 # ---- command line ------------------------------------------------------------------------------
 def run_parser() -> argparse.ArgumentParser:
-    from selfspec.cli import add_config_args
-
     p = argparse.ArgumentParser(prog="selfspec bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Subcommand: selfspec bench report RUN_DIR [--compare RUN_DIR] (see --help there).")
@@ -334,9 +334,6 @@ def report_parser() -> argparse.ArgumentParser:
 
 def cmd(args: argparse.Namespace) -> int:
     """Dispatch ``selfspec bench ...`` to the run or to ``report``."""
-    from selfspec.bench.report import compare_runs, write_report
-    from selfspec.cli import config_from_args
-
     argv = list(args.rest)
     if argv[:1] == ["report"]:
         a = report_parser().parse_args(argv[1:])

@@ -25,10 +25,13 @@ from selfspec.config import ModelConfig
 from selfspec.errors import InvalidConfigError, ModelNotFoundError, SelfSpecError
 from selfspec.memory import trim_heap
 from selfspec.models import catalog
+from selfspec.models.gguf import load_gguf_model, load_gguf_tokenizer
 from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
 from selfspec.paths import atomic_dir, cache_root
 from selfspec.progress import progress, quiet_transformers
+from selfspec.quant.convert import quantize_parts
 from selfspec.quant.modules import set_numerics
+from selfspec.quant.store import assemble, empty_model, load_packed, save_packed
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -203,7 +206,6 @@ def _native_key(gguf: Path) -> str:
 
 
 def _load_native(gguf: Path) -> tuple[Any, Any]:
-    from selfspec.models.gguf import load_gguf_model, load_gguf_tokenizer
 
     try:
         model = load_gguf_model(gguf, cache_root() / "packed" / _native_key(gguf))
@@ -217,8 +219,6 @@ def _load_native(gguf: Path) -> tuple[Any, Any]:
 
 def _quantized(model: Any, cfg: ModelConfig, where: str) -> Any:
     """``model`` quantized to ``cfg.quantize``, through the packed cache (keyed by source, type, file times)."""
-    from selfspec.quant.convert import quantize_parts
-    from selfspec.quant.store import assemble, empty_model, load_packed, save_packed
 
     if torch.device(cfg.device).type != "cpu" or model.dtype != torch.float32:
         raise InvalidConfigError("quantize runs on the CPU in float32 (dtype='auto' or 'float32', device='cpu')")

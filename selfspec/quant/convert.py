@@ -16,6 +16,7 @@ from torch import nn
 
 from selfspec.errors import InvalidConfigError
 from selfspec.quant.formats import FORMATS
+from selfspec.quant.store import assemble, empty_model
 from selfspec.quant.weight import QuantWeight
 
 QUANTIZE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf-py quantizes these
@@ -55,7 +56,6 @@ def quantize_parts(model: nn.Module, type_name: str) -> tuple[dict[str, QuantWei
 
 def quantize_model(model: nn.Module, type_name: str) -> nn.Module:
     """A new model of ``model``'s config with its weights quantized to ``type_name`` (``model`` untouched)."""
-    from selfspec.quant.store import assemble, empty_model
 
     quant, floats = quantize_parts(model, type_name)
     out = assemble(empty_model(model.config), quant, floats, "the float model")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfspec.errors import InvalidConfigError
 from selfspec.quant.weight import QuantWeight
 
 
@@ -83,7 +84,6 @@ def weight_rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def set_numerics(model: nn.Module, numerics: str) -> nn.Module:
     """Switch every quantized weight of ``model`` to 'exact' or 'int8' numerics (``ModelConfig.numerics``)
     before the engine packs it; transformers' own forward (the reference) always stays exact."""
-    from selfspec.errors import InvalidConfigError
 
     if numerics not in ("exact", "int8"):
         raise InvalidConfigError(f"numerics must be 'exact' or 'int8', got '{numerics}'")

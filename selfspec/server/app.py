@@ -1,5 +1,6 @@
 """The OpenAI-compatible server: ``create_app`` (FastAPI app factory), ``make_server`` (uvicorn with a
-graceful shutdown that also drains the worker) and ``selfspec serve``. See docs/SERVER.md.
+graceful shutdown that also drains the worker) and ``serve`` (both until Ctrl-C); the command ``selfspec serve``
+is selfspec/server/cli.py. See docs/SERVER.md.
 
     from selfspec import SelfSpec
     from selfspec.server.app import create_app, make_server
@@ -9,7 +10,6 @@ graceful shutdown that also drains the worker) and ``selfspec serve``. See docs/
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -22,7 +22,6 @@ import uvicorn
 from fastapi import FastAPI
 
 from selfspec.batch.scheduler import BatchConfig
-from selfspec.config import DraftConfig, ModelConfig
 from selfspec.server.config import ServeConfig
 from selfspec.server.errors import install_handlers
 from selfspec.server.metrics import Metrics
@@ -101,41 +100,3 @@ def serve(ss: Any, cfg: ServeConfig, batch: BatchConfig | None = None) -> None:
     app = create_app(ss, api_key=api_key, model_name=cfg.model_name, max_queue=cfg.max_queue, method=cfg.method,
                      batch=batch)
     make_server(app, cfg.host, cfg.port, cfg.graceful_timeout, cfg.log_level).run()
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from selfspec.api import SelfSpec
-    from selfspec.cli import config_from_args
-
-    cfg = config_from_args(args, ServeConfig)
-    if cfg.replicas > 1 or cfg.ray_address:
-        from selfspec.server.ray_serve import serve_ray
-
-        serve_ray(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig), cfg,
-                  config_from_args(args, BatchConfig))
-        return 0
-    model_cfg = config_from_args(args, ModelConfig)
-    ss = SelfSpec.load(model_cfg, config_from_args(args, DraftConfig))
-    if cfg.pipeline:
-        from selfspec.config import PipelineConfig
-
-        ss.use_pipeline(PipelineConfig(mode=cfg.pipeline, transport=cfg.pipeline_transport), model_cfg)
-    try:
-        serve(ss, cfg, config_from_args(args, BatchConfig))
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once the graceful shutdown is done
-        pass
-    finally:
-        ss.use_pipeline(None)
-    return 0
-
-
-def add_parser(sub: Any) -> None:
-    """Register ``selfspec serve`` on the CLI's subparsers."""
-    from selfspec.cli import add_config_args
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics).")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, DraftConfig)
-    add_config_args(p, ServeConfig)
-    add_config_args(p, BatchConfig)
-    p.set_defaults(func=cmd_serve)

@@ -22,7 +22,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from selfspec.config import opt
+from selfspec.api import SelfSpec
+from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
 from selfspec.progress import progress
 from selfspec.train.sharegpt import ConversationSource, iter_records
 
@@ -86,9 +87,6 @@ def answer_prompts(ss: Any, cfg: AnswerConfig) -> dict[str, Any]:
 
 
 def add_parser(sub: Any) -> None:
-    from selfspec.cli import add_config_args
-    from selfspec.config import ModelConfig
-
     p = sub.add_parser("answer-prompts", help="The target's own greedy answers to ShareGPT prompts (training text).")
     add_config_args(p, ModelConfig)
     add_config_args(p, AnswerConfig)
@@ -96,10 +94,6 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_answer_prompts(args: Any) -> int:
-    from selfspec.api import SelfSpec
-    from selfspec.cli import config_from_args
-    from selfspec.config import DraftConfig, ModelConfig
-
     ss = SelfSpec.load(config_from_args(args, ModelConfig), DraftConfig())  # the default draft: fastest greedy
     report = answer_prompts(ss, config_from_args(args, AnswerConfig))
     print(json.dumps(report, indent=1))

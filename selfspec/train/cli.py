@@ -6,14 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from selfspec.config import DraftConfig, ModelConfig, opt
+from selfspec.api import SelfSpec
+from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
 from selfspec.progress import progress
 from selfspec.stats import GenerationStats
 from selfspec.train.data import generate_data, load_seed_prompts, read_sequences
 from selfspec.train.prompts import default_prompts
+from selfspec.train.sharegpt import conversations
 from selfspec.train.trainer import TrainConfig, train_head
 
 
@@ -33,10 +36,6 @@ def eval_prompts(source: str, n: int) -> list[Any]:
     if source in ("", "default"):
         return default_prompts(10_000)[-n:]  # the tail of the task x topic mix: not in the training set
     if source == "sharegpt-heldout":
-        from itertools import islice
-
-        from selfspec.train.sharegpt import conversations
-
         return [m[0]["content"][:2000] for _, m in islice(conversations("sharegpt", "heldout"), n)]
     return load_seed_prompts(source, n)
 
@@ -60,15 +59,10 @@ def eval_draft(ss: Any, prompts: list[Any], max_new_tokens: int) -> dict[str, An
 def load_target(args: argparse.Namespace, exit_layer: int | None = 1) -> Any:
     """The target for a training command: ModelConfig from ``args``, the untrained exit, a fixed gamma
     (no draft costs are measured: these commands never decode speculatively)."""
-    from selfspec.api import SelfSpec
-    from selfspec.cli import config_from_args
-
     return SelfSpec.load(config_from_args(args, ModelConfig), DraftConfig(head="lm", exit_layer=exit_layer, gamma=1))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from selfspec.cli import config_from_args
-
     cfg = config_from_args(args, TrainConfig)
     ss = load_target(args, cfg.exit_layer)
     data = Path(cfg.data or Path(cfg.out).with_name(Path(cfg.out).name + "-data.jsonl"))
@@ -83,9 +77,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_draft(args: argparse.Namespace) -> int:
-    from selfspec.api import SelfSpec
-    from selfspec.cli import config_from_args
-
     ss = SelfSpec.load(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig))
     cfg = config_from_args(args, EvalDraftConfig)
     res = eval_draft(ss, eval_prompts(cfg.prompts, cfg.num_prompts), cfg.max_new_tokens)
@@ -99,8 +90,6 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    from selfspec.cli import add_config_args
-
     t = sub.add_parser("train", help="Train an exit head by self-distillation (target frozen).")
     add_config_args(t, ModelConfig)
     add_config_args(t, TrainConfig)
@@ -110,6 +99,3 @@ def add_parsers(sub: Any) -> None:
     add_config_args(e, DraftConfig)
     add_config_args(e, EvalDraftConfig)
     e.set_defaults(func=cmd_eval_draft)
-    from selfspec.train.sweep import add_parser as add_sweep
-
-    add_sweep(sub)

@@ -25,12 +25,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from selfspec.config import opt
+from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.deep import DeepContextHead
-from selfspec.heads.io import new_head, save_head
+from selfspec.heads.io import load_head, new_head, save_head
 from selfspec.models.split import SplitModel
 from selfspec.progress import progress
+from selfspec.train.cli import load_target
 from selfspec.train.features import FeatureSet, load_features
 from selfspec.train.trainer import cosine_lr
 
@@ -229,8 +230,6 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
     head = new_head("deep", split, cfg.exit_layer)
     head.init_from_target()
     if cfg.init:
-        from selfspec.heads.io import load_head
-
         start = load_head(cfg.init, split, cfg.exit_layer)
         if start.kind != "deep":
             raise InvalidConfigError(f"--init '{cfg.init}' is a '{start.kind}' head, not a deep one")
@@ -266,9 +265,6 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
 
 
 def add_parser(sub: Any) -> None:
-    from selfspec.cli import add_config_args
-    from selfspec.config import ModelConfig
-
     p = sub.add_parser("train-deep", help="Train a deep-context head from stored target features.")
     add_config_args(p, ModelConfig)
     add_config_args(p, DeepTrainConfig)
@@ -276,9 +272,6 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_train_deep(args: Any) -> int:
-    from selfspec.cli import config_from_args
-    from selfspec.train.cli import load_target
-
     ss = load_target(args)
     _, report = train_deep_head(ss.split, config_from_args(args, DeepTrainConfig))
     print(json.dumps({k: report[k] for k in ("steps", "seconds", "heldout_sets")}, indent=2))

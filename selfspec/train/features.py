@@ -30,9 +30,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.config import opt
+from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.progress import progress
+from selfspec.train.cli import load_target
 from selfspec.train.sharegpt import ConversationSource
 
 
@@ -200,9 +201,6 @@ def load_features(path: str | Path, keys: list[str] | None = None, max_tokens: i
 
 
 def add_parser(sub: Any) -> None:
-    from selfspec.cli import add_config_args
-    from selfspec.config import ModelConfig
-
     p = sub.add_parser("collect-features", help="Teacher-force the target over chat text and store features for head training.")
     add_config_args(p, ModelConfig)
     add_config_args(p, FeatureConfig)
@@ -210,9 +208,6 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_collect_features(args: Any) -> int:
-    from selfspec.cli import config_from_args
-    from selfspec.train.cli import load_target
-
     ss = load_target(args)
     prog = collect_features(ss.split, ss.tokenizer, config_from_args(args, FeatureConfig))
     print(json.dumps(prog, indent=1))

@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from selfspec.config import opt
+from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import load_head, new_head
 from selfspec.heads.nested import NestedDeepHead
 from selfspec.models.split import SplitModel
+from selfspec.train.cli import load_target
 from selfspec.train.deep import (
     DeepTrainConfig,
     _collate,
@@ -151,9 +152,6 @@ def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[Nested
 
 
 def add_parser(sub: Any) -> None:
-    from selfspec.cli import add_config_args
-    from selfspec.config import ModelConfig
-
     p = sub.add_parser("train-nested", help="Sorted training of a nested (multi-depth) exit head from stored features.")
     add_config_args(p, ModelConfig)
     add_config_args(p, NestedTrainConfig)
@@ -161,9 +159,6 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_train_nested(args: Any) -> int:
-    from selfspec.cli import config_from_args
-    from selfspec.train.cli import load_target
-
     ss = load_target(args)
     _, report = train_nested_head(ss.split, config_from_args(args, NestedTrainConfig))
     print(json.dumps({k: report[k] for k in ("steps", "seconds", "heldout_after")}, indent=2))

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from selfspec.config import opt
+from selfspec.api import SelfSpec
+from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.progress import progress
 from selfspec.specee.candidates import candidate_features, candidate_logits
@@ -205,9 +206,6 @@ def train_predictors(split: Any, head: Any, tokenizer: Any, cfg: PredictorConfig
 
 
 def add_parser(sub: Any) -> None:
-    from selfspec.cli import add_config_args
-    from selfspec.config import ModelConfig
-
     p = sub.add_parser("train-predictors", help="Train SpecEE's per-layer exit predictors for an exit head.")
     add_config_args(p, ModelConfig)
     add_config_args(p, PredictorConfig)
@@ -215,10 +213,6 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_train_predictors(args: Any) -> int:
-    from selfspec.api import SelfSpec
-    from selfspec.cli import config_from_args
-    from selfspec.config import DraftConfig, ModelConfig
-
     cfg = config_from_args(args, PredictorConfig)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -24,11 +24,15 @@ from typing import Any
 
 import torch
 
-from selfspec.config import ModelConfig, opt
+from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
 from selfspec.costs import time_call
+from selfspec.errors import ModelNotFoundError
+from selfspec.heads.io import check_exit_layer, new_head
 from selfspec.models.split import SplitModel
 from selfspec.progress import progress
-from selfspec.train.trainer import Features, TrainConfig, evaluate, train_head
+from selfspec.train.cli import load_target
+from selfspec.train.data import read_sequences
+from selfspec.train.trainer import Features, TrainConfig, evaluate, split_heldout, train_head
 
 
 @dataclass
@@ -103,8 +107,6 @@ def multi_layer_features(split: SplitModel, seqs: list[dict], layers: list[int])
 
 
 def sweep(split: SplitModel, seqs: list[dict], cfg: SweepConfig) -> dict[str, Any]:
-    from selfspec.heads.io import check_exit_layer, new_head
-
     for k in cfg.layers:
         check_exit_layer(k, split)
     costs = measure_costs(split, cfg.max_gamma + 1)
@@ -117,8 +119,6 @@ def sweep(split: SplitModel, seqs: list[dict], cfg: SweepConfig) -> dict[str, An
         if cfg.kind == "lm":
             head, held = new_head("lm", split, k), feats[k]
         else:
-            from selfspec.train.trainer import split_heldout
-
             head, _ = train_head(split, seqs, tcfg, features=feats[k], inner=True)
             held = [feats[k][i] for i in split_heldout(len(seqs), tcfg.heldout, tcfg.seed)[1]]
         m = evaluate(head, held, tcfg)
@@ -130,7 +130,7 @@ def sweep(split: SplitModel, seqs: list[dict], cfg: SweepConfig) -> dict[str, An
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: a heavy import, needed only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -154,7 +154,7 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
 def plot_acceptance(results: dict[str, dict[str, Any]], path: str | Path, points: dict[str, tuple] | None = None) -> None:
     """Acceptance by exit layer for several sweeps (e.g. untrained vs trained heads) on one PNG;
     ``points``: extra labelled (exit_layer, acceptance) markers, such as a fully trained head."""
-    import matplotlib
+    import matplotlib  # lazy: as in plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -176,16 +176,10 @@ def plot_acceptance(results: dict[str, dict[str, Any]], path: str | Path, points
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from selfspec.cli import config_from_args
-    from selfspec.train.cli import load_target
-    from selfspec.train.data import read_sequences
-
     cfg = config_from_args(args, SweepConfig)
     ss = load_target(args, None)
     seqs = read_sequences(cfg.data)[: cfg.num_seqs]
     if not seqs:
-        from selfspec.errors import ModelNotFoundError
-
         raise ModelNotFoundError(f"no self-distillation data at '{cfg.data}' (make it with `selfspec train`)")
     res = sweep(ss.split, seqs, cfg)
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
@@ -200,8 +194,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    from selfspec.cli import add_config_args
-
     p = sub.add_parser("sweep-exit", help="Measure acceptance and cost per exit layer; recommend one.")
     add_config_args(p, ModelConfig)
     add_config_args(p, SweepConfig)

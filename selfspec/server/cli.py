@@ -1,0 +1,43 @@
+"""``selfspec serve``: the server's command line. One process (selfspec.server.app) or, with --replicas
+or --ray-address, replicas on Ray Serve (selfspec.server.ray_serve). See docs/SERVER.md."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from selfspec.api import SelfSpec
+from selfspec.batch.scheduler import BatchConfig
+from selfspec.config import DraftConfig, ModelConfig, PipelineConfig, add_config_args, config_from_args
+from selfspec.server.app import serve
+from selfspec.server.config import ServeConfig
+from selfspec.server.ray_serve import serve_ray
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args, ServeConfig)
+    if cfg.replicas > 1 or cfg.ray_address:
+        serve_ray(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig), cfg,
+                  config_from_args(args, BatchConfig))
+        return 0
+    model_cfg = config_from_args(args, ModelConfig)
+    ss = SelfSpec.load(model_cfg, config_from_args(args, DraftConfig))
+    if cfg.pipeline:
+        ss.use_pipeline(PipelineConfig(mode=cfg.pipeline, transport=cfg.pipeline_transport), model_cfg)
+    try:
+        serve(ss, cfg, config_from_args(args, BatchConfig))
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once the graceful shutdown is done
+        pass
+    finally:
+        ss.use_pipeline(None)
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``selfspec serve`` on the CLI's subparsers."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics).")
+    add_config_args(p, ModelConfig)
+    add_config_args(p, DraftConfig)
+    add_config_args(p, ServeConfig)
+    add_config_args(p, BatchConfig)
+    p.set_defaults(func=cmd_serve)

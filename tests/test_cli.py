@@ -1,0 +1,129 @@
+"""The command line's parser: the command table, list options (comma-separated and/or repeated), and
+config <-> option mapping (selfspec.config.add_config_args / config_from_args). Nothing is run."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import pytest
+
+from selfspec.bench.batching import BatchBenchConfig
+from selfspec.bench.forward import ForwardBenchConfig
+from selfspec.bench.methods import split_specs
+from selfspec.bench.quick import QuickBenchConfig
+from selfspec.bench.specbench import BenchConfig, run_parser
+from selfspec.cli import COMMANDS, build_parser
+from selfspec.config import GenerateConfig, add_config_args, config_from_args, opt
+from selfspec.train.sweep import SweepConfig
+
+COMMAND_NAMES = ["generate", "demo", "bench-quick", "bench-forward", "bench", "bench-batch", "bench-pipeline",
+                 "train", "eval-draft", "sweep-exit", "answer-prompts", "collect-features", "train-deep",
+                 "train-nested", "train-predictors", "tune", "serve"]
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_every_command_in_order() -> None:
+    assert list(subparsers(build_parser())) == COMMAND_NAMES
+    assert len(COMMANDS) == len(COMMAND_NAMES) - 1  # train and eval-draft: one entry (selfspec/train/cli.py)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, cls, field, expected", [
+    (["bench-forward", "--block-sizes", "1,2,4,8,16"], ForwardBenchConfig, "block_sizes", [1, 2, 4, 8, 16]),
+    (["bench-forward", "--block-sizes", "1", "--block-sizes", "2"], ForwardBenchConfig, "block_sizes", [1, 2]),
+    (["bench-forward", "--block-sizes", "1,2", "--block-sizes", "4"], ForwardBenchConfig, "block_sizes", [1, 2, 4]),
+    (["bench-forward", "--block-sizes", " 1, 2 ,"], ForwardBenchConfig, "block_sizes", [1, 2]),
+    (["bench-forward", "--backends", "fast,reference"], ForwardBenchConfig, "backends", ["fast", "reference"]),
+    (["bench-forward", "--backends", "fast"], ForwardBenchConfig, "backends", ["fast"]),
+    (["bench-forward"], ForwardBenchConfig, "block_sizes", [1, 2, 4, 8, 16]),  # the default
+    (["bench-quick", "--exit-layers", "6,12"], QuickBenchConfig, "exit_layers", [6, 12]),
+    (["bench-batch", "--batch-sizes", "1,2", "--methods", "plain,exspec"], BatchBenchConfig, "methods",
+     ["plain", "exspec"]),
+    (["bench-batch", "--batch-sizes", "1,2"], BatchBenchConfig, "batch_sizes", [1, 2]),
+    (["sweep-exit", "--layers", "2,4", "--layers", "6"], SweepConfig, "layers", [2, 4, 6]),
+    (["generate", "x", "--eos-token-ids", "2,7"], GenerateConfig, "eos_token_ids", [2, 7]),
+])
+def test_list_options_take_commas_and_repeats(argv, cls, field, expected) -> None:
+    assert getattr(config_from_args(parse(*argv), cls), field) == expected
+
+
+def test_every_list_option_takes_commas_and_repeats() -> None:
+    """Every list option of every command: "1,2" then "3" is three values (or, for the options whose values
+    may hold commas, two)."""
+    checked = 0
+    for name, sub in subparsers(build_parser()).items():
+        for action in sub._actions:
+            if not isinstance(action, (argparse._ExtendAction, argparse._AppendAction)):
+                continue
+            flag = action.option_strings[0]
+            pre = ["x"] if name == "generate" else []
+            values = getattr(sub.parse_args([*pre, flag, "1,2", flag, "3"]), action.dest)
+            if isinstance(action, argparse._ExtendAction):
+                assert [str(v) for v in values] == ["1", "2", "3"], (name, flag)
+            else:
+                assert (name, flag) == ("generate", "--stop")  # stop strings keep their commas
+                assert values == ["1,2", "3"]
+            checked += 1
+    assert checked >= 10
+
+
+def test_a_bad_list_value_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse("bench-forward", "--block-sizes", "1,x")
+    assert e.value.code == 2
+    assert "argument --block-sizes: invalid int value: '1,x'" in capsys.readouterr().err
+
+
+def test_stop_strings_keep_their_commas() -> None:
+    gen = config_from_args(parse("generate", "x", "--stop", "a, b", "--stop", ","), GenerateConfig)
+    assert gen.stop == ["a, b", ","]
+
+
+def test_bench_categories_and_method_specs() -> None:
+    """bench's --categories splits like any list; a --methods spec keeps its KEY=VALUE commas."""
+    a = run_parser().parse_args(["q.jsonl", "--categories", "qa,rag", "--categories", "mt_bench",
+                                 "--methods", "hf,selfspec:gamma=2,policy=fixed", "--methods", "plain"])
+    cfg = config_from_args(a, BenchConfig, questions=a.questions)
+    assert cfg.categories == ["qa", "rag", "mt_bench"]
+    assert split_specs(cfg.methods) == ["hf", "selfspec:gamma=2,policy=fixed", "plain"]
+
+
+@dataclass
+class Toy:
+    """A config with every kind of field."""
+
+    count: int = opt(3, "An int.")
+    ratio: float | None = opt(None, "A float or None.")
+    flag: bool = opt(False, "A bool.")
+    mode: str = opt("a", "A choice.", choices=["a", "b"])
+    sizes: list[int] = opt([1], "Ints.")
+    kinds: list[str] = opt([], "Choices.", choices=["x", "y"])
+    skipped: str = opt("s", "Not an option.")
+
+
+def toy(*argv: str) -> Toy:
+    p = argparse.ArgumentParser()
+    add_config_args(p, Toy, skip=("skipped",))
+    return config_from_args(p.parse_args(list(argv)), Toy, skipped="given")
+
+
+def test_config_round_trip() -> None:
+    assert toy() == Toy(skipped="given")
+    t = toy("--count", "5", "--ratio", "0.5", "--flag", "--mode", "b", "--sizes", "2,3", "--kinds", "y,x")
+    assert t == Toy(5, 0.5, True, "b", [2, 3], ["y", "x"], "given")
+    assert toy("--no-flag").flag is False
+
+
+@pytest.mark.parametrize("argv", [["--mode", "c"], ["--kinds", "x,z"], ["--skipped", "t"], ["--count", "1.5"]])
+def test_config_options_refuse_bad_values(argv, capsys) -> None:
+    with pytest.raises(SystemExit):
+        toy(*argv)
+    err = capsys.readouterr().err
+    assert "invalid" in err or "unrecognized" in err
