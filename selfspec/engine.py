@@ -149,10 +149,6 @@ class Engine:
         m, nxt = core.verify_chain(gen, block.tokens, block.probs, target_logits, seq.generator)
         return core.commit(seq, self.drafter, block, m, nxt, h, stats)
 
-    # kept names: a chain's and a tree's verification are one ``accept``
-    verify_block = accept
-    accept_tree = accept
-
     # ---- the loop ---------------------------------------------------------------------
     @torch.inference_mode()
     def generate_tokens(

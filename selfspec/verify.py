@@ -1,6 +1,6 @@
 """Pure accept/reject functions for speculative decoding (batch first; the engine uses batch 1).
 
-Vocabulary (see METHODS.md): the draft proposes tokens d_1..d_g; *accepted* tokens are the prefix
+Vocabulary (docs/ARCHITECTURE.md): the draft proposes tokens d_1..d_g; *accepted* tokens are the prefix
 the target agrees with; at the first rejection the target emits a *recovered* token; when all g are
 accepted it emits a *bonus* token from its distribution after d_g. Either way a step emits
 ``num_accepted + 1`` tokens.

@@ -176,7 +176,7 @@ def test_a_deep_process_that_cannot_start_is_a_clear_error():
 
 
 def test_a_deep_thread_that_raises_is_a_clear_error(monkeypatch):
-    from selfspec.pipeline import deep
+    from selfspec import round as core  # the deep stage verifies with the round core's verify_chain
 
     ss = exit_ss("llama")
     calls = []
@@ -187,7 +187,7 @@ def test_a_deep_thread_that_raises_is_a_clear_error(monkeypatch):
             raise RuntimeError("injected failure")
         return greedy_verify(drafts, logits)
 
-    monkeypatch.setattr(deep, "greedy_verify", flaky)
+    monkeypatch.setattr(core, "greedy_verify", flaky)
     pipe = Pipeline.of(ss, PipelineConfig(transport="thread", gamma=1, timeout=30))
     with pytest.raises(PipelineError, match="injected failure"):
         pipe.generate(prompt_of(3, 8), max_new_tokens=40)

@@ -192,7 +192,7 @@ split: SplitModel,
     for i in range(start, end):
         kind = split.layer_types[i]
         if kind not in rotary:
-            rotary[kind] = split.rotary_emb(h, positions, kind) if split._rotary_by_type else split.rotary_emb(h, positions)
+            rotary[kind] = split.rotary(h, positions, kind)
         key = (cache.lengths[i] + n, split.windows[i])
         if key not in masks:
             masks[key] = padded_mask(n, key[0], key[1], pad)

@@ -238,7 +238,7 @@ POLICIES = ("fixed", "confidence", "thompson", "thompson-confidence")
 
 
 def make_policy(name: str, threshold: float = 0.6) -> FixedPolicy:
-    """The per-token base policy of ``name`` (thompson variants are built over it with costs, api.set_draft)."""
+    """The per-token base policy of ``name`` (thompson variants are built over it with costs, selfspec.drafting.setup)."""
     if name in ("fixed", "thompson"):
         return FixedPolicy()
     if name in ("confidence", "thompson-confidence"):

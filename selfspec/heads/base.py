@@ -52,7 +52,7 @@ class ExitHead(nn.Module):
     """Base class. Subclasses set ``kind`` and implement ``forward``; stateful ones also
     ``new_state`` / ``rollback`` / ``seen``.
 
-    VocabTrim (see METHODS.md): ``trim_vocab(ids)`` restricts the draft's LM head to a few thousand
+    VocabTrim (docs/ARCHITECTURE.md): ``trim_vocab(ids)`` restricts the draft's LM head to a few thousand
     frequent token ids. The head then computes only those rows of the frozen LM head and returns
     -inf for every other token, so drafting gets cheaper while verification (always the full
     vocabulary) keeps the output lossless.

@@ -81,9 +81,7 @@ class KangarooAdapter(CachedHead):
         q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self.split.rotary_emb(h, positions) if not self.split._rotary_by_type else self.split.rotary_emb(
-            h, positions, "full_attention"
-        )
+        cos, sin = self.split.rotary(h, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if state is not None:
             k, v = state.update(k, v, 0)

@@ -53,7 +53,7 @@ class DecoderLayerHead(CachedHead):
         """The copied decoder layer over ``h`` ``# [batch, n, hidden]`` (appending to ``state`` when given;
         ``tree``: the n rows are token-tree nodes, as in ``SplitModel.run_layers``)."""
         split = self.split
-        rot = split.rotary_emb(h, positions, self._kind) if split._rotary_by_type else split.rotary_emb(h, positions)
+        rot = split.rotary(h, positions, self._kind)
         n = h.shape[1]
         if state is not None:
             mask = block_mask(n, state.lengths[0] + n, self._window, h.device, tree)

@@ -111,6 +111,11 @@ class SplitModel:
             self._fast_lm_head = pack_linear(self.lm_head)
 
     # ---- the ladder -------------------------------------------------------------------
+    def rotary(self, h: torch.Tensor, positions: torch.Tensor,
+               kind: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of ``positions`` ``# [batch, n]`` for layers of ``kind`` (Gemma 3 has one table per kind)."""
+        return self.rotary_emb(h, positions, kind) if self._rotary_by_type else self.rotary_emb(h, positions)
+
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device, batch)
 
@@ -139,7 +144,7 @@ class SplitModel:
         for i in range(start, end):
             kind = self.layer_types[i]
             if kind not in rotary:
-                rotary[kind] = self.rotary_emb(h, positions, kind) if self._rotary_by_type else self.rotary_emb(h, positions)
+                rotary[kind] = self.rotary(h, positions, kind)
             key = (cache.lengths[i] + n, self.windows[i])
             if key not in masks:
                 masks[key] = block_mask(n, key[0], key[1], h.device, tree)
@@ -180,9 +185,7 @@ class SplitModel:
             segments = []
             for j, (n, cache) in enumerate(zip(sizes, caches)):
                 if kind not in tables[j]:
-                    rot = (self.rotary_emb(hs[j], positions[j], kind) if self._rotary_by_type
-                           else self.rotary_emb(hs[j], positions[j]))
-                    tables[j][kind] = Rotary(*rot)
+                    tables[j][kind] = Rotary(*self.rotary(hs[j], positions[j], kind))
                 key = (cache.lengths[i] + n, self.windows[i])
                 if key not in masks[j]:
                     masks[j][key] = block_mask(n, key[0], key[1], h.device, trees[j])

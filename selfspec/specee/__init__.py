@@ -1,4 +1,4 @@
-"""SpecEE: speculative early exiting (METHODS.md). The target stops at an intermediate layer for a token
+"""SpecEE: speculative early exiting (docs/SPECEE.md). The target stops at an intermediate layer for a token
 when a tiny per-layer predictor, fed only the logits of a few speculative candidate tokens, says the
 answer is already known.
 

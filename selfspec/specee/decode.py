@@ -12,7 +12,7 @@ full model would have given the same prefix (when the indebted rows reach the la
 draft token at position p + j runs layers [0, e_j) and exits with its best candidate; the round ends at
 the first token whose predictors do not fire (or after ``max_drafts``), which runs through every layer,
 carrying the drafted rows from their own exit layers (verification starts each token from its exit
-layer); then the engine's verification of a chain (``Engine.verify_block``). Every layer of every row runs once.
+layer); then the engine's verification of a chain (``Engine.accept``). Every layer of every row runs once.
 
 Worked example (verified, L = 30, k = 2): x at p exits at 12 -> d1; d1 at p + 1 exits at 9 -> d2; d2 at
 p + 2 does not fire: layers 0..8 run [d2], 9..11 run [d1, d2], 12..29 run [x, d1, d2]; logits of the
@@ -172,7 +172,7 @@ class SpecEERunner:
 
     def verified_round(self, seq, max_drafts: int, stats) -> tuple[DraftBlock, torch.Tensor]:
         """Draft one round of ``specee-verified``; returns the drafts and the last-layer states of their rows
-        ``# [1, g + 1, hidden]`` (pending token and drafts), which ``Engine.verify_block`` verifies."""
+        ``# [1, g + 1, hidden]`` (pending token and drafts), which ``Engine.accept`` verifies."""
         split = self.split
         p, tok = seq.length, seq.pending
         sched: OnlineSchedule = seq.extras["specee_schedule"]

@@ -1,4 +1,4 @@
-"""Two-level scheduling of SpecEE's predictors (METHODS.md).
+"""Two-level scheduling of SpecEE's predictors (docs/SPECEE.md).
 
 Offline (``predictors.py``): predictors exist only at the layers where exits actually happen, chosen
 from the exit-layer distribution measured on target-generated text.

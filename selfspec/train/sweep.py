@@ -6,7 +6,7 @@
           decoding step (all layers + LM head), timed on this machine,
     v(k, g)  verification cost: layers [k, L) + LM head over g + 1 tokens, relative to a plain step,
 
-and reports, maximized over gamma, the bound of METHODS.md (Leviathan et al.)
+and reports, maximized over gamma, the bound of docs/ARCHITECTURE.md (Leviathan et al., 2023)
     bound = E(a, g) / (g * c + 1),   E(a, g) = (1 - a^(g+1)) / (1 - a)
 next to an estimate with the measured costs of one step of this engine
     estimate = E(a, g) / ((g + 1) * shallow(k) + g * head + v(k, g))
@@ -140,7 +140,7 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(ks, [r["acceptance"] for r in rows], "o-", label="acceptance a(k)")
     ax.plot(ks, [r["draft_cost"] for r in rows], "s--", label="draft cost c(k)")
-    ax.plot(ks, [r["bound"] for r in rows], "^-", label="speedup bound (METHODS.md)")
+    ax.plot(ks, [r["bound"] for r in rows], "^-", label="speedup bound (Leviathan et al.)")
     ax.plot(ks, [r["estimate"] for r in rows], "v-", label="speedup estimate (measured costs)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("exit layer k")
