@@ -23,9 +23,19 @@ from selfspec.errors import InvalidConfigError
 
 
 class DraftPolicy(Protocol):
-    name: str
-    needs_confidence: bool  # keep() reads the draft's top-1 probability (else the drafter passes 1.0)
-    depth: int | None  # the exit depth this round drafts at (a depth bandit), None: the head's own
+    """What a drafter asks of a policy (the module's docstring). The attributes are read-only here: a
+    policy may keep them as plain attributes, class attributes or properties."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs_confidence(self) -> bool:
+        """keep() reads the draft's top-1 probability (else the drafter passes 1.0)."""
+
+    @property
+    def depth(self) -> int | None:
+        """The exit depth this round drafts at (a depth bandit), None: the head's own."""
 
     def for_request(self, seed: int | None) -> DraftPolicy: ...
 
