@@ -115,6 +115,10 @@ class ExitHead(nn.Module):
         out = part.new_full((*part.shape[:-1], self.split.vocab_size), float("-inf"), dtype=torch.float32)
         return out.index_copy_(-1, self.vocab_ids, part.float())
 
+    def init_from_target(self) -> None:
+        """A trainable head: start from the target's own weights (before training)."""
+        raise NotImplementedError(f"{type(self).__name__} is not trained")
+
     def new_state(self, capacity: int) -> Any:
         return None
 
