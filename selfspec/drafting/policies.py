@@ -16,7 +16,7 @@ depend only on its own seed and tokens.
 from __future__ import annotations
 
 import random
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from selfspec.costs import DraftCosts, best_gamma, speedup
 from selfspec.errors import InvalidConfigError
@@ -254,3 +254,21 @@ def make_policy(name: str, threshold: float = 0.6) -> FixedPolicy:
     if name in ("confidence", "thompson-confidence"):
         return ConfidencePolicy(threshold)
     raise InvalidConfigError(f"unknown drafting policy '{name}' (known: {', '.join(POLICIES)})")
+
+
+if TYPE_CHECKING:  # `make test` runs mypy: a policy that no longer implements DraftPolicy fails it here
+
+    def _fixed_is_a_policy(p: FixedPolicy) -> DraftPolicy:
+        return p
+
+    def _confidence_is_a_policy(p: ConfidencePolicy) -> DraftPolicy:
+        return p
+
+    def _cost_aware_is_a_policy(p: CostAwarePolicy) -> DraftPolicy:
+        return p
+
+    def _thompson_is_a_policy(p: ThompsonPolicy) -> DraftPolicy:
+        return p
+
+    def _depth_bandit_is_a_policy(p: DepthBandit) -> DraftPolicy:
+        return p
