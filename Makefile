@@ -20,6 +20,7 @@ demo: install
 
 test: install
 	$(PYTHON) -m ruff check selfspec tests
+	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest -q
 
 lint: install

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from selfspec.batch.scheduler import BatchConfig, TextScheduler
 from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, PipelineConfig
@@ -64,6 +64,7 @@ class SelfSpec:
         """Switch the way to draft (``drafter``), exit layer, head, policy or gamma without reloading the model
         (see DraftConfig; the early-exit drafter's setup: ``selfspec.drafting.setup``)."""
         built = build_draft(self, draft)
+        assert built.draft is not None  # build_draft gives the config as resolved
         self.engine = Engine(self.split, built.drafter, gamma=built.gamma, tree_width=built.tree_width,
                              specee=built.specee)
         self.draft_config, self.head, self.tuning_result = built.draft, built.head, built.tuning
@@ -109,7 +110,8 @@ class SelfSpec:
                 raise EmptyPromptError("the prompt is empty")
             return list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            for i, m in enumerate(prompt):
+            messages = cast(list[dict[str, str]], prompt)  # every item checked above
+            for i, m in enumerate(messages):
                 if "role" not in m or "content" not in m:
                     raise InvalidConfigError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
             if not self.has_chat_template:
@@ -117,12 +119,12 @@ class SelfSpec:
                     f"the model '{self.model_id}' has no chat template (its tokenizer defines none, as base "
                     "models do), so chat messages cannot be encoded: send plain text instead"
                 )
-            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             if not prompt:
                 raise EmptyPromptError("the prompt is empty")
-            return list(prompt)
+            return list(cast(list[int], prompt))  # every item checked above
         raise InvalidConfigError("prompt must be a string, a list of chat messages or a list of token ids")
 
     def resolve(self, config: GenerateConfig | None = None, **overrides: Any) -> GenerateConfig:
@@ -182,7 +184,11 @@ class SelfSpec:
         reqs = sched.add_all([self.encode(p) for p in prompts], [self.resolve(c, **overrides) for c in configs])
         while sched.busy:
             sched.step_events()
-        return [r.output.result for r in reqs]
+        results = []
+        for r in reqs:
+            assert r.output is not None and r.output.result is not None  # a TextScheduler's request, ended
+            results.append(r.output.result)
+        return results
 
     def generate(self, prompt: Prompt, config: GenerateConfig | None = None, **overrides: Any) -> GenerationResult:
         """Generate a completion; returns text, token ids and stats."""

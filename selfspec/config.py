@@ -268,7 +268,7 @@ def _list_item(typ: type, choices: list[Any] | None) -> Any:
         values = [typ(part.strip()) for part in text.split(",") if part.strip()]
         bad = [v for v in values if choices is not None and v not in choices]
         if bad:
-            raise argparse.ArgumentTypeError(f"invalid choice: {bad[0]!r} (choose from {', '.join(map(str, choices))})")
+            raise argparse.ArgumentTypeError(f"invalid choice: {bad[0]!r} (choose from {', '.join(map(str, choices or []))})")
         return values
 
     parse.__name__ = typ.__name__  # argparse names the type in its error: "invalid int value: '1,x'"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ def run(model_cfg: ModelConfig, cfg: DemoConfig) -> list[dict]:
             "selfspec (default)": lambda: ours("selfspec")}
     for fn in runs.values():  # warm-up: first calls build caches and kernels
         fn()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, fn in runs.items():
         tokens, secs = fn()
         rows.append({"method": name, "tokens": tokens, "seconds": secs, "tok_s": len(tokens) / secs})

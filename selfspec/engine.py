@@ -15,7 +15,7 @@ at once: ``selfspec.batch`` (its round is ``selfspec.batch.step``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 
 import torch
 
@@ -66,6 +66,16 @@ class Engine:
         self.specee = specee  # SpecEE's predictors over this drafter's candidates (methods specee, specee-verified)
 
     # ---- pieces -----------------------------------------------------------------------
+    def need_drafter(self) -> Drafter:
+        """The drafter, where only a speculative request gets (``speculative`` checked it is there)."""
+        assert self.drafter is not None, "a speculative round needs a drafter"
+        return self.drafter
+
+    def need_specee(self) -> SpecEERunner:
+        """SpecEE's runner, where only a SpecEE request gets (``check_method`` checked it is there)."""
+        assert self.specee is not None, "a SpecEE round needs SpecEE predictors"
+        return self.specee
+
     def check_method(self, method: str) -> None:
         """A clear error when ``method`` needs something this engine lacks (SpecEE predictors)."""
         if method in SPECEE_METHODS and (self.specee is None or self.drafter is None):
@@ -103,25 +113,25 @@ class Engine:
         ``speculative``, its first token pending and in ``tokens``; ``stats`` counts the prompt and that token."""
         seq = self.new_sequence(len(prompt_ids), gen)
         if speculative:
-            self.drafter.begin(seq, gen.seed)
+            self.need_drafter().begin(seq, gen.seed)
         self.prefill(seq, prompt_ids, gen, speculative)
         stats.prompt_tokens, stats.new_tokens = len(prompt_ids), 1
         return seq
 
     def drafts_tree(self, max_drafts: int) -> bool:
         """Whether a round of up to ``max_drafts`` drafts is a token tree (trees on, a draft wanted, a head that can)."""
-        return self.tree_width > 1 and max_drafts > 0 and self.drafter.supports_tree
+        return self.tree_width > 1 and max_drafts > 0 and self.need_drafter().supports_tree
 
     def propose(self, seq: SequenceState, gen: GenerateConfig, max_drafts: int, limit: int) -> DraftBlock:
         """This round's block: a token tree, or the drafter's chain (a lookup match when there is one)."""
         if self.drafts_tree(max_drafts):
             return self.propose_tree(seq, max_drafts, limit)
-        return self.drafter.propose(seq, max_drafts, gen, limit=limit)
+        return self.need_drafter().propose(seq, max_drafts, gen, limit=limit)
 
     def propose_tree(self, seq: SequenceState, depth: int, limit: int) -> DraftBlock:
         """A token tree of at most ``depth`` levels (capped so its head-drafted nodes fit MAX_TREE_NODES)."""
         depth = min(depth, max(1, (MAX_TREE_NODES - 1) // self.tree_width))
-        block = self.drafter.propose_tree(seq, depth, self.tree_width, limit)
+        block = self.need_drafter().propose_tree(seq, depth, self.tree_width, limit)
         block.levels = depth
         return block
 
@@ -145,7 +155,7 @@ class Engine:
         target_logits = self.split.logits(h) if target_logits is None else target_logits
         if block.tree is not None:
             keep, nxt = core.verify_tree(gen, block, target_logits[0], seq.generator)
-            return core.commit_path(seq, self.drafter, block, keep, nxt, h, stats)
+            return core.commit_path(seq, self.need_drafter(), block, keep, nxt, h, stats)
         m, nxt = core.verify_chain(gen, block.tokens, block.probs, target_logits, seq.generator)
         return core.commit(seq, self.drafter, block, m, nxt, h, stats)
 
@@ -153,7 +163,7 @@ class Engine:
     @torch.inference_mode()
     def generate_tokens(
         self, prompt_ids: list[int], gen: GenerateConfig, stats: GenerationStats | None = None
-    ) -> Iterator[list[int]]:
+    ) -> Generator[list[int], None, None]:
         """Yield blocks of new tokens (the first block is the prefill's token). The caller may stop
         iterating at any time (EOS, stop string); the engine never exceeds ``max_new_tokens``."""
         validate_request(len(prompt_ids), gen, self.split.context_length)
@@ -162,7 +172,7 @@ class Engine:
         t0 = time.perf_counter()
         seq = self.start_sequence(prompt_ids, gen, self.speculative(gen.method), stats)
         if gen.method in SPECEE_METHODS:
-            self.specee.start(seq)
+            self.need_specee().start(seq)
         stats.prefill_time = stats.wall_time = time.perf_counter() - t0
         yield [seq.pending]
         while stats.new_tokens < gen.max_new_tokens:
@@ -175,12 +185,14 @@ class Engine:
     def round(self, seq: SequenceState, gen: GenerateConfig, remaining: int, stats: GenerationStats) -> list[int]:
         """One round of ``gen.method`` for ``seq``, at most ``remaining`` tokens wanted. -> the emitted tokens."""
         if gen.method == "specee":
-            return self.specee.lossy_step(seq, gen, stats)
+            return self.need_specee().lossy_step(seq, gen, stats)
         if not self.speculative(gen.method):
             return [self.decode_one_token(seq, gen, stats)]
-        cap = min(self.drafter.max_drafts(seq, self.gamma), remaining - 1)
-        if gen.method == "specee-verified" and not self.drafter.lookup_available(seq):
-            drafted, h = self.specee.verified_round(seq, min(cap, self.specee.settings.max_drafts), stats)
+        drafter = self.need_drafter()
+        cap = min(drafter.max_drafts(seq, self.gamma), remaining - 1)
+        if gen.method == "specee-verified" and not drafter.lookup_available(seq):
+            specee = self.need_specee()
+            drafted, h = specee.verified_round(seq, min(cap, specee.settings.max_drafts), stats)
             return self.accept(seq, gen, drafted, h, stats)
         # selfspec; specee-verified when a lookup block is there (free drafts, same verification)
         return self.speculative_step(seq, gen, cap, stats, limit=remaining - 1)

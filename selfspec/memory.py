@@ -56,6 +56,6 @@ def file_mappings() -> list[tuple[int, int, str, int]]:
             path = head[5] if len(head) > 5 and head[5].startswith("/") else ""
             out.append((int(start, 16), int(end, 16), path, 0))
         elif line.startswith("Rss:") and out:
-            start, end, path, _ = out[-1]
-            out[-1] = (start, end, path, int(line.split()[1]) * 1024)
+            lo, hi, mapped, _ = out[-1]
+            out[-1] = (lo, hi, mapped, int(line.split()[1]) * 1024)
     return [m for m in out if m[2]]

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from selfspec.config import GenerateConfig
 from selfspec.stats import GenerationStats
 from selfspec.textstream import TextStream
+
+FinishReason = Literal["stop", "length"]  # "length": max_new_tokens; "stop": EOS or stop string
 
 
 @dataclass
 class GenerationResult:
     text: str
     token_ids: list[int]  # new tokens (an EOS that ended generation included)
-    finish_reason: str  # "length" (max_new_tokens) or "stop" (EOS or stop string)
+    finish_reason: FinishReason
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
@@ -65,11 +67,11 @@ class RequestOutput:
                 return self._final(delta + self.text.flush(), delta_ids, "stop")
         return StreamEvent(delta, delta_ids)
 
-    def end(self, finish: str = "length") -> StreamEvent:
+    def end(self, finish: FinishReason = "length") -> StreamEvent:
         """The last event when the engine stopped by itself (``max_new_tokens``): the held-back text."""
         return self._final(self.text.flush(), [], finish)
 
-    def _final(self, text: str, ids: list[int], finish: str) -> StreamEvent:
+    def _final(self, text: str, ids: list[int], finish: FinishReason) -> StreamEvent:
         self.stats.new_tokens = len(self.token_ids)
         self.stats.wall_time = time.perf_counter() - self.t0
         self.result = GenerationResult(self.text.text, self.token_ids, finish, self.stats)

@@ -10,6 +10,7 @@ when done, leaving the outer task's bar. ``quiet_transformers`` silences transfo
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -65,7 +66,7 @@ def quiet_transformers() -> Iterator[None]:
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:  # the GGUF loader uses tqdm.auto directly, outside transformers' switch
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        gguf_utils: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     except ImportError:  # no gguf support installed: nothing to silence there
         gguf_utils = None
     gguf_tqdm = getattr(gguf_utils, "tqdm", None)

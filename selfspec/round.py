@@ -95,6 +95,7 @@ def verify_tree(gen: GenerateConfig, block: DraftBlock, target_logits: torch.Ten
     """The target's verdict on a token tree, ``target_logits`` ``# [nodes, vocab]``: the accepted path (node
     indices, root first) and the recovered or bonus token after it."""
     tree = block.tree
+    assert tree is not None, "verify_tree takes a token tree's block"
     if gen.greedy:
         return greedy_tree_verify(tree.parents, tree.tokens, target_logits.argmax(-1))
     probs = logits_to_probs(target_logits, gen.temperature, gen.top_k, gen.top_p)
@@ -131,6 +132,7 @@ def commit_path(seq: SequenceState, drafter: Drafter, block: DraftBlock, keep: l
     move into place in every layer, then the path is committed as a chain; the policy learns from the depth
     the tree was drafted to. ``final_states`` ``# [1, nodes, hidden]``."""
     p = block.start
+    assert block.tree is not None and block.exit_states is not None, "commit_path takes a token tree's block"
     seq.cache.compact(p, keep)
     path = DraftBlock([block.tree.tokens[i] for i in keep[1:]], None, block.exit_states[:, keep], start=p,
                       exit_layer=block.exit_layer)

@@ -205,7 +205,8 @@ def calibrate(split: SplitModel, head: ExitHead, tokenizer: Any = None, new_toke
     for d in depths:
         if d not in costs:
             costs[d] = measure_draft_costs(split, head, exit_layer=d)
-    acceptance, predicted = {}, {}
+    acceptance: dict[str, list[float]] = {}
+    predicted: dict[str, tuple[int, float, float]] = {}  # shape -> (draft cap, predicted speedup, threshold)
     bar = progress(total=len(depths) * len(widths), desc="calibrating the draft", unit="shape", inner=True)
     for d in depths:
         for w in widths:
@@ -218,7 +219,7 @@ def calibrate(split: SplitModel, head: ExitHead, tokenizer: Any = None, new_toke
                 acc, th = rec.acceptance(), 0.0
                 shaped = DraftCosts(**{**asdict(costs[d]), "tree_width": w})
                 g, gain = best_gamma(shaped, acc, rec.n)
-            acceptance[f"{d}/{w}"], predicted[f"{d}/{w}"] = acc, [g, gain, th]
+            acceptance[f"{d}/{w}"], predicted[f"{d}/{w}"] = acc, (g, gain, th)
             bar.update()
     bar.close()
     best = max(predicted, key=lambda s: predicted[s][1])

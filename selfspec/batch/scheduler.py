@@ -23,7 +23,7 @@ seed gives the same text at any load. See docs/BATCHING.md for the measurements.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -74,7 +74,7 @@ class BatchRequest:
     stats: GenerationStats = field(default_factory=GenerationStats)
     seq: SequenceState | None = None
     out: list[int] = field(default_factory=list)  # new tokens so far (an ending EOS included)
-    solo: Iterator[list[int]] | None = None  # a SpecEE or pipelined request's own loop
+    solo: Generator[list[int], None, None] | None = None  # a SpecEE or pipelined request's own loop (closed when it leaves)
     pipelined: bool = False  # decoded by the engine's pipeline (selfspec.pipeline.service), one at a time
     done: bool = False  # max_new_tokens reached, EOS emitted, or cancelled
     submitted: float = field(default_factory=time.perf_counter)
@@ -154,7 +154,7 @@ class Scheduler:
             elif not req.pipelined:
                 req.seq = self.engine.new_sequence(len(req.prompt_ids), req.gen)
                 if self._speculative(req):
-                    self.engine.drafter.begin(req.seq, req.gen.seed)
+                    self.engine.need_drafter().begin(req.seq, req.gen.seed)
                 req.stats.prompt_tokens = len(req.prompt_ids)
             self.running.append(req)
             new.append(req)
@@ -171,9 +171,12 @@ class Scheduler:
         caps = self.config.caps(len(self.running))
         # A sampled request drafts as it would alone: what it draws from its seeded generator depends on its
         # drafts, so this keeps its text the same at any load. Greedy output never depends on the drafts.
-        entries = [BatchEntry(r.seq, r.gen, r.stats, r.remaining, self._speculative(r),
-                              r.prompt_ids if id(r) in new else None, *(caps if r.gen.greedy else self.config.caps(1)))
-                   for r in batch]
+        entries = []
+        for r in batch:
+            assert r.seq is not None  # admitted without a loop of its own: _admit gave it a sequence
+            entries.append(BatchEntry(r.seq, r.gen, r.stats, r.remaining, self._speculative(r),
+                                      r.prompt_ids if id(r) in new else None,
+                                      *(caps if r.gen.greedy else self.config.caps(1))))
         with torch.inference_mode():
             blocks = dict(zip(map(id, batch), step(self.engine, entries))) if entries else {}
             for r in self.running:
@@ -241,11 +244,13 @@ class TextScheduler(Scheduler):
         """One step; the events it produced, in order (a request that ends gets its final event last)."""
         events = []
         for req, block in self.step():
-            ev = req.output.push(block)
+            output = req.output
+            assert output is not None  # add() gave it one
+            ev = output.push(block)
             if ev.text or ev.token_ids or ev.result is not None:
                 events.append((req, ev))
             if ev.result is None and req.done:  # the engine stopped it: max_new_tokens
-                events.append((req, req.output.end()))
+                events.append((req, output.end()))
             elif ev.result is not None and not req.done:  # a stop string: leave the batch now
                 self.cancel(req)
         return events

@@ -58,7 +58,7 @@ def step(engine: Engine, entries: list[BatchEntry]) -> list[list[int]]:
         if e.prompt is not None:
             core.take_first(seq, e.prompt, lg[0, -1], e.gen)
             if e.speculative:
-                engine.drafter.start(seq, ride.h if ride.capture == 0 else ride.captured, h)
+                engine.need_drafter().start(seq, ride.h if ride.capture == 0 else ride.captured, h)
             out.append([seq.pending])
         elif not e.speculative:
             out.append(core.commit_plain(seq, pick(lg[0, -1], e.gen, seq.generator), e.stats))
@@ -74,7 +74,7 @@ def step(engine: Engine, entries: list[BatchEntry]) -> list[list[int]]:
 def _plan(engine: Engine, entries: list[BatchEntry]) -> dict[int, tuple[int, int]]:
     """Entry index -> (head drafts, lookup drafts) at most this round, for the speculative entries past their
     prefill (their policies are asked once a round)."""
-    return {j: (min(engine.drafter.max_drafts(e.seq, engine.gamma), e.remaining - 1, e.draft_cap),
+    return {j: (min(engine.need_drafter().max_drafts(e.seq, engine.gamma), e.remaining - 1, e.draft_cap),
                 min(e.remaining - 1, e.lookup_cap))
             for j, e in enumerate(entries) if e.prompt is None and e.speculative}
 
@@ -82,32 +82,37 @@ def _plan(engine: Engine, entries: list[BatchEntry]) -> dict[int, tuple[int, int
 def _ride(engine: Engine, e: BatchEntry, chain: DraftBlock | None,
           plan: tuple[int, int] | None) -> tuple[Ride, DraftBlock | None]:
     """The rows entry ``e`` sends through the layers this round, and its draft block (None: none)."""
-    split, drafter, seq = engine.split, engine.drafter, e.seq
+    split, seq = engine.split, e.seq
     if e.prompt is not None:  # a prefill; a speculative one keeps its exit states for the drafter
         ids = torch.tensor([e.prompt], dtype=torch.long, device=split.device)
-        capture = drafter.depth_of(seq) if e.speculative else None
+        capture = engine.need_drafter().depth_of(seq) if e.speculative else None
         return Ride(0, split.embed(ids), seq.positions(0, len(e.prompt)), seq.cache, capture=capture), None
     if not e.speculative:
         return engine.ride_of(seq, None), None
     if chain is not None:
         return engine.ride_of(seq, chain), chain
+    assert plan is not None  # a speculative entry past its prefill is in the plan (_plan)
     max_drafts, limit = plan
     if engine.drafts_tree(max_drafts):
         block = engine.propose_tree(seq, max_drafts, limit)
         return engine.ride_of(seq, block), block
     # a lookup block or nothing: the rows ride from the embeddings, their exit states kept
+    drafter = engine.need_drafter()
     looked = drafter.lookup_drafts(seq, limit)
     k = drafter.next_depth(seq)
     ids = torch.tensor([[seq.pending, *looked]], dtype=torch.long, device=split.device)
     ride = Ride(0, split.embed(ids), seq.positions(seq.length, len(looked) + 1), seq.cache, capture=k)
-    block = DraftBlock(looked, None, None, start=seq.length, source="lookup", exit_layer=k) if looked else None
-    return ride, block
+    looked_block = DraftBlock(looked, None, None, start=seq.length, source="lookup", exit_layer=k) if looked else None
+    return ride, looked_block
 
 
 def _draft_chains(engine: Engine, entries: list[BatchEntry], plan: dict[int, tuple[int, int]]) -> dict[int, DraftBlock]:
     """The chains of a batched round (entries that draft: no tree, no lookup match), drafted together
     (``Drafter.propose_chains``)."""
-    drafter, want = engine.drafter, {}
+    if not plan:  # no speculative entry past its prefill
+        return {}
+    drafter = engine.need_drafter()
+    want: dict[int, tuple[int, int]] = {}  # entry index -> (most drafts, exit depth)
     for j, (max_drafts, limit) in plan.items():
         e = entries[j]
         if max_drafts > 0 and not engine.drafts_tree(max_drafts) and not drafter.lookup_drafts(e.seq, limit):

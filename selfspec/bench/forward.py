@@ -307,14 +307,15 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
         for b, split in splits.items():
             for name in RANGES:
                 t1 = head_s[b, 1] if name == "head" else seconds[b, c, name, 1]
-                start, end, lm = spans.get(name, (None, None, None))
+                span = spans.get(name)  # None: the head (no layer range)
                 for n in sizes:
                     t = head_s[b, n] if name == "head" else seconds[b, c, name, n]
                     gbps = nbytes[name] / t / GB
                     figures.append({
                         "backend": b, "kernel": split.kernel, "context": 0 if name == "head" else c,
                         "table_context": c, "range": name,
-                        "layers": None if start is None else [start, end], "lm_head": lm, "n": n,
+                        "layers": None if span is None else [span[0], span[1]],
+                        "lm_head": None if span is None else span[2], "n": n,
                         "ms": t * 1e3, "ratio": t / t1, "bytes": nbytes[name], "gbps": gbps,
                         "gflops": 2 * n * nweights[name] / t / 1e9,
                         "bandwidth_fraction": gbps / bandwidth, "floor_ms": nbytes[name] / (bandwidth * GB) * 1e3,

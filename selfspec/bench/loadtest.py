@@ -144,8 +144,8 @@ class Clients:
         self.reference: dict[tuple[str, int], str] = {}
 
     def _chat(self, p: int, stream: bool) -> tuple[str, int]:
-        kw = dict(model=self.model, messages=[{"role": "user", "content": PROMPTS[p]}],
-                  max_tokens=self.cfg.max_tokens, temperature=0)
+        kw: dict[str, Any] = dict(model=self.model, messages=[{"role": "user", "content": PROMPTS[p]}],
+                                  max_tokens=self.cfg.max_tokens, temperature=0)
         if not stream:
             r = self.good.chat.completions.create(**kw)
             return r.choices[0].message.content, r.usage.completion_tokens
@@ -156,7 +156,7 @@ class Clients:
         return text, tokens
 
     def _completion(self, p: int, stream: bool) -> tuple[str, int]:
-        kw = dict(model=self.model, prompt=PROMPTS[p], max_tokens=self.cfg.max_tokens, temperature=0)
+        kw: dict[str, Any] = dict(model=self.model, prompt=PROMPTS[p], max_tokens=self.cfg.max_tokens, temperature=0)
         if not stream:
             r = self.good.completions.create(**kw)
             return r.choices[0].text, r.usage.completion_tokens
@@ -239,7 +239,11 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
         if server is not None:
             server.wait_ready()
             server_pid = server.proc.pid
-        url = cfg.url.rstrip("/") if cfg.url is not None else server.url
+        if cfg.url is not None:
+            url = cfg.url.rstrip("/")
+        else:
+            assert server is not None  # spawned above
+            url = server.url
         model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {cfg.api_key}"},
                           timeout=30).json()["data"][0]["id"]
         clients = Clients(url, cfg, model)

@@ -176,7 +176,8 @@ def _slug(text: str) -> str:
 
 def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
     """A spec string -> a Method with every setting resolved (see the module docstring)."""
-    alias = None
+    alias: str | None = None
+    name: str | None  # the method's name (None: made from the resolved draft below)
     head_part = spec.split(":", 1)[0]
     if "=" in head_part:  # NAME=SPEC
         alias, spec = spec.split("=", 1)
@@ -216,10 +217,10 @@ def parse_method(spec: str, cfg: BenchConfig, ss: SelfSpec) -> Method:
         draft = replace(DraftConfig(), **values)
         ss.set_draft(draft)
         ss.engine.check_method(base)
-        th = ss.engine.specee.settings.threshold[base]
+        th = ss.engine.need_specee().settings.threshold[base]
         name = alias or (base if not kv else f"{base}-" + "-".join(f"{a}{b}" for a, b in kv.items()))
         info = {"exit_layer": ss.head.exit_layer, "num_layers": ss.split.num_layers, "head_kind": ss.head.kind,
-                "threshold": th, "predictor_layers": ss.engine.specee.layers, "lossy": base == "specee"}
+                "threshold": th, "predictor_layers": ss.engine.need_specee().layers, "lossy": base == "specee"}
         return Method(_slug(name), base, spec, draft=ss.draft_config, info=info)
     if base in ("selfspec", "selfspec-default"):
         if base == "selfspec-default":  # exactly what a user gets: DraftConfig()'s defaults
@@ -300,12 +301,14 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) 
     if method.kind in HF_KINDS:
         return _run_hf(ss, ids, max_new_tokens, method.options)
     if method.kind == "llama-cpp":
+        assert ss.source_gguf is not None  # parse_method checked the model came from a GGUF
         tokens, wall, timings = llamacpp.generate(ss.source_gguf, torch.get_num_threads(), method.options["spec"],
                                                   ids, max_new_tokens, ss.eos_token_ids)
         drafted = timings.get("draft_n")
         return TurnResult(tokens, wall, max(0, len(tokens) - 1), [], drafted, len(ids), peer=timings)
     gen = GenerateConfig(max_new_tokens=max_new_tokens, ignore_eos=False)
     if method.kind in ("selfspec", *SPECEE_KINDS):
+        assert method.draft is not None  # parse_method gives these kinds their draft
         ss.set_draft(method.draft)  # untimed; an adaptive policy starts afresh each turn
     r = ss.generate(ids, gen, method="selfspec" if method.kind == "selfspec" else method.kind)
     st = r.stats
@@ -358,9 +361,10 @@ def hf_steps(starts: list[int | None], prompt_len: int, new_tokens: int) -> tupl
     A forward starting at s_i emits s_{i+1} - s_i tokens; the prefill (which may already verify prompt
     lookup candidates) is not a step; the last step emits what is left."""
     steps = max(0, len(starts) - 1)
-    if steps == 0 or any(s is None for s in starts):
+    known = [s for s in starts if s is not None]
+    if steps == 0 or len(known) < len(starts):
         return steps, []
-    accepts = [b - a for a, b in zip(starts[1:], starts[2:])]
-    emitted_by_prefill = starts[1] - prompt_len + 1
+    accepts = [b - a for a, b in zip(known[1:], known[2:])]
+    emitted_by_prefill = known[1] - prompt_len + 1
     accepts.append(new_tokens - emitted_by_prefill - sum(accepts))
     return (steps, accepts) if min(accepts) > 0 else (steps, [])

@@ -136,7 +136,7 @@ def run(cfg: PipelineBenchConfig, model_cfg: ModelConfig | None = None, ss: Any 
     try:
         for m in cfg.methods:  # warm-up, untimed
             runner.run(m, prompts[0][1], 8)
-        acc = {m: {"tokens": 0, "wall": 0.0, "same": 0, "rounds": [], "extra": [], "per_q": []} for m in cfg.methods}
+        acc: dict[str, dict[str, Any]] = {m: {"tokens": 0, "wall": 0.0, "same": 0, "rounds": [], "extra": [], "per_q": []} for m in cfg.methods}
         with progress(total=len(prompts) * len(cfg.methods), desc="bench-pipeline") as bar:
             for i, (q, prompt) in enumerate(prompts):
                 order = cfg.methods[i % len(cfg.methods):] + cfg.methods[: i % len(cfg.methods)]

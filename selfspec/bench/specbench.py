@@ -139,7 +139,7 @@ def select_questions(questions: list[Question], categories: list[str], limit: in
     by_group: dict[str, list[Question]] = {}
     for q in chosen:
         by_group.setdefault(q.group, []).append(q)
-    keep = set()
+    keep: set[int] = set()  # question ids
     for qs in by_group.values():
         n = min(limit, len(qs))
         keep.update(qs[i * len(qs) // n].question_id for i in range(n))

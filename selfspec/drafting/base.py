@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from selfspec.config import GenerateConfig
+from selfspec.drafting.tree import TokenTree
 from selfspec.state import SequenceState
 
 
@@ -28,7 +29,7 @@ class DraftBlock:
     start: int = 0  # position of the pending token (exit_states[:, 0])
     source: str = "early_exit"  # or "lookup" (n-gram match): each source learns its own acceptance
     exit_layer: int | None = None  # depth the exit states come from (verification starts there); None: the drafter's
-    tree: Any = None  # a TokenTree (selfspec.drafting.tree): tokens are its nodes 1.., exit_states all nodes
+    tree: TokenTree | None = None  # a token tree (selfspec.drafting.tree): tokens are its nodes 1.., exit_states all nodes
     levels: int = 0  # a tree's depth in levels (what its policy learns from); 0 for chains
     # A deep-context head's predicted final states of the drafted rows' positions, f^(p + i) for the rows
     # whose head ran ``# [1, n, hidden]`` (the pipeline drafts ahead from them before the true ones exist).
@@ -43,7 +44,10 @@ class Drafter(Protocol):
     else it needs) and is registered by name (``selfspec.drafting.registry.register_drafter``)."""
 
     exit_layer: int  # layers [0, exit_layer) are shared with the target (0: none shared)
-    supports_tree: bool  # propose_tree works (token trees, EAGLE-2 style)
+
+    @property
+    def supports_tree(self) -> bool:
+        """Whether ``propose_tree`` works (token trees, EAGLE-2 style); read-only, so a property may give it."""
 
     def begin(self, seq: SequenceState, seed: int | None) -> None:
         """Before a request's prefill: its own per-request state (e.g. a seeded adaptive policy)."""
@@ -91,7 +95,10 @@ class BaseDrafter:
     carry no exit states, so their rows go through every layer from the embeddings to be verified."""
 
     exit_layer = 0
-    supports_tree = False
+
+    @property
+    def supports_tree(self) -> bool:
+        return False
 
     def begin(self, seq: SequenceState, seed: int | None) -> None:
         return None
@@ -130,3 +137,9 @@ class BaseDrafter:
                  final_states: torch.Tensor | None = None, proposed: int | None = None,
                  observe: bool = True) -> None:
         return None
+
+
+if TYPE_CHECKING:  # `make test` runs mypy: a BaseDrafter that lost or changed a Drafter method fails it here
+
+    def _base_drafter_is_a_drafter(d: BaseDrafter) -> Drafter:
+        return d

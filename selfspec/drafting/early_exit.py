@@ -24,10 +24,12 @@ at all, each source's own policy decides from its measured costs and the accepta
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from selfspec.config import GenerateConfig
-from selfspec.drafting.base import BaseDrafter, DraftBlock
+from selfspec.drafting.base import BaseDrafter, DraftBlock, Drafter
 from selfspec.drafting.lookup import NgramIndex
 from selfspec.drafting.policies import DraftPolicy, FixedPolicy
 from selfspec.drafting.tree import TokenTree
@@ -76,6 +78,9 @@ class EarlyExitDrafter(BaseDrafter):
               prompt_final_states: torch.Tensor | None = None) -> None:
         """After the prompt's prefill: a stateful head must still see the prompt's exit states
         ``# [1, P, hidden]``; a deep-context head also keeps the final states ``# [1, P, hidden]``."""
+        if not (self.head.stateful or self.head.needs_context):
+            return
+        assert prompt_exit_states is not None, "the prefill captures the exit states (depth_of)"
         if self.head.stateful:
             seq.head_state = self.head.new_state(seq.cache.capacity)
             seq.head_backlog = self._project(prompt_exit_states, self.depth_of(seq))
@@ -83,6 +88,7 @@ class EarlyExitDrafter(BaseDrafter):
             n = prompt_exit_states.shape[1]
             # row j + 1 holds the final state at position j; row 0 (before the first token) is zeros
             finals = prompt_exit_states.new_zeros(seq.cache.capacity + 1, self.split.hidden_size)
+            assert prompt_final_states is not None, "a deep-context head starts from the prompt's final states"
             finals[1 : n + 1] = prompt_final_states[0]
             seq.extras["finals"] = finals
 
@@ -179,7 +185,7 @@ class EarlyExitDrafter(BaseDrafter):
         return [c.block() for c in chains]
 
     @property
-    def supports_tree(self) -> bool:  # type: ignore[override]
+    def supports_tree(self) -> bool:
         return self.head.supports_tree
 
     def propose_tree(self, seq: SequenceState, depth: int, width: int, limit: int) -> DraftBlock:
@@ -192,6 +198,7 @@ class EarlyExitDrafter(BaseDrafter):
         tree = TokenTree.root(seq.pending)
         ids = torch.tensor([[seq.pending]], dtype=torch.long, device=dev)
         states = [split.run_layers(split.embed(ids), 0, k, seq.positions(p, 1), seq.cache)]
+        frontier: list[tuple[int, torch.Tensor, torch.Tensor | None]]  # (node, its draft logits, its f^)
         if head.needs_context:
             logits, f_hat = self._deep_logits(seq, states[0], p, None)
             frontier = [(0, logits, f_hat)]
@@ -215,7 +222,8 @@ class EarlyExitDrafter(BaseDrafter):
             if d == depth:
                 break
             if head.needs_context:
-                ctx = torch.cat([f for _, _, _, f in cands], dim=1)  # [1, n, hidden]: each parent's f^
+                # [1, n, hidden]: each parent's f^ (every node has one when the head reads context)
+                ctx = torch.cat([f for _, _, _, f in cands if f is not None], dim=1)
                 f_new = head.features(self._project(h, k), ctx, pos, seq.head_state, tree=att)
                 logits_new = head.logits_of(f_new)[0]
                 frontier = [(r, logits_new[j], f_new[:, j : j + 1]) for j, r in enumerate(rows)]
@@ -242,6 +250,7 @@ class EarlyExitDrafter(BaseDrafter):
         if observe:
             policy.observe(len(block.tokens) if proposed is None else proposed, num_accepted)
         if self.head.needs_context:
+            assert final_states is not None, "a deep-context head keeps the verified final states"
             self._store_finals(seq, block.start, final_states[0, : num_accepted + 1])
         if not self.head.stateful:
             return
@@ -251,6 +260,7 @@ class EarlyExitDrafter(BaseDrafter):
         # entry at p read the verified f(p - 1) and stays.
         keep = min(seen, p + 1) if self.head.needs_context else min(seen, length)
         self.head.rollback(seq.head_state, keep)
+        assert block.exit_states is not None, "a stateful head's drafter makes blocks with exit states"
         new = self._project(block.exit_states[:, max(keep, p) - p : length - p], block.exit_layer or self.exit_layer)
         old = seq.head_backlog  # positions [keep, p) when the head did not run this round
         seq.head_backlog = new if old is None or old.shape[1] == 0 else torch.cat([old, new], dim=1)
@@ -295,7 +305,7 @@ class _Chain:
         if not self.policy.keep(i, conf):
             self.done = True
             return
-        self.tok = int(sample(q, seq.generator)) if self.sampled else int(greedy(logits))
+        self.tok = int(sample(q, seq.generator)) if q is not None else int(greedy(logits))  # q: self.sampled
         self.tokens.append(self.tok)
         if q is not None:
             self.probs.append(q)
@@ -304,3 +314,9 @@ class _Chain:
         return DraftBlock(self.tokens, torch.stack(self.probs) if self.probs else None, torch.cat(self.states, dim=1),
                           start=self.p, exit_layer=self.k,
                           predicted_finals=torch.cat(self.f_hats, dim=1) if self.f_hats else None)
+
+
+if TYPE_CHECKING:  # `make test` runs mypy: an EarlyExitDrafter that no longer implements Drafter fails it here
+
+    def _early_exit_drafter_is_a_drafter(d: EarlyExitDrafter) -> Drafter:
+        return d

@@ -16,16 +16,26 @@ depend only on its own seed and tokens.
 from __future__ import annotations
 
 import random
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from selfspec.costs import DraftCosts, best_gamma, speedup
 from selfspec.errors import InvalidConfigError
 
 
 class DraftPolicy(Protocol):
-    name: str
-    needs_confidence: bool  # keep() reads the draft's top-1 probability (else the drafter passes 1.0)
-    depth: int | None  # the exit depth this round drafts at (a depth bandit), None: the head's own
+    """What a drafter asks of a policy (the module's docstring). The attributes are read-only here: a
+    policy may keep them as plain attributes, class attributes or properties."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs_confidence(self) -> bool:
+        """keep() reads the draft's top-1 probability (else the drafter passes 1.0)."""
+
+    @property
+    def depth(self) -> int | None:
+        """The exit depth this round drafts at (a depth bandit), None: the head's own."""
 
     def for_request(self, seed: int | None) -> DraftPolicy: ...
 
@@ -244,3 +254,21 @@ def make_policy(name: str, threshold: float = 0.6) -> FixedPolicy:
     if name in ("confidence", "thompson-confidence"):
         return ConfidencePolicy(threshold)
     raise InvalidConfigError(f"unknown drafting policy '{name}' (known: {', '.join(POLICIES)})")
+
+
+if TYPE_CHECKING:  # `make test` runs mypy: a policy that no longer implements DraftPolicy fails it here
+
+    def _fixed_is_a_policy(p: FixedPolicy) -> DraftPolicy:
+        return p
+
+    def _confidence_is_a_policy(p: ConfidencePolicy) -> DraftPolicy:
+        return p
+
+    def _cost_aware_is_a_policy(p: CostAwarePolicy) -> DraftPolicy:
+        return p
+
+    def _thompson_is_a_policy(p: ThompsonPolicy) -> DraftPolicy:
+        return p
+
+    def _depth_bandit_is_a_policy(p: DepthBandit) -> DraftPolicy:
+        return p

@@ -48,6 +48,7 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     if draft.tree_width is None:  # the head's measured best, else chains
         width = head.recommended_draft.get("tree_width", 0)
         draft = replace(draft, tree_width=width if head.supports_tree else 0)
+    assert draft.tree_width is not None  # resolved above
     if draft.tree_width > 1 and (not head.supports_tree or ss.split.kernel.endswith("int8")):
         # int8 numerics: tree blocks attend through SDPA, which does not give single steps' rows bitwise
         draft = replace(draft, tree_width=0)
@@ -63,7 +64,9 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
 
 def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold: float,
               tuning: Tuning | None) -> tuple[DraftPolicy, int, DraftPolicy | None]:
-    """(the drafts' policy, most drafts per round, the lookup drafts' policy or None) of ``draft``."""
+    """(the drafts' policy, most drafts per round, the lookup drafts' policy or None) of ``draft`` (its
+    tree width resolved: ``early_exit``)."""
+    assert draft.tree_width is not None
     base = make_policy(name, threshold)
     policy: DraftPolicy = base
     gamma, lookup_policy = draft.gamma, None

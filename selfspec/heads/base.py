@@ -23,7 +23,7 @@ from torch import nn
 from selfspec.errors import HeadMismatchError
 from selfspec.kernels.linear import PackedLinear, pack_linear
 from selfspec.models.cache import KVCache
-from selfspec.models.split import SplitModel
+from selfspec.models.split import SplitModel, TreeAttention
 
 
 def model_fingerprint(split: SplitModel) -> dict[str, Any]:
@@ -61,6 +61,7 @@ class ExitHead(nn.Module):
     kind: str = "base"
     stateful: bool = False
     needs_context: bool = False  # reads the final-layer states of earlier tokens (``heads.deep``)
+    split: SplitModel  # the target, held outside the module tree (set in __init__)
 
     def __init__(self, split: SplitModel, exit_layer: int) -> None:
         super().__init__()
@@ -114,6 +115,10 @@ class ExitHead(nn.Module):
         out = part.new_full((*part.shape[:-1], self.split.vocab_size), float("-inf"), dtype=torch.float32)
         return out.index_copy_(-1, self.vocab_ids, part.float())
 
+    def init_from_target(self) -> None:
+        """A trainable head: start from the target's own weights (before training)."""
+        raise NotImplementedError(f"{type(self).__name__} is not trained")
+
     def new_state(self, capacity: int) -> Any:
         return None
 
@@ -130,6 +135,20 @@ class ExitHead(nn.Module):
         state: Any = None,
     ) -> torch.Tensor:  # [batch, n, vocab] float32 logits
         raise NotImplementedError
+
+    # ---- what a head that reads context (``needs_context``: heads.deep) adds ----------------------------
+    def project(self, h: torch.Tensor, depth: int) -> torch.Tensor:
+        """Exit states of depth ``depth`` -> what ``features`` reads."""
+        raise NotImplementedError(f"{type(self).__name__} reads no context")
+
+    def features(self, h: torch.Tensor, context: torch.Tensor, positions: torch.Tensor, state: Any = None,
+                 tree: TreeAttention | None = None) -> torch.Tensor:
+        """The predicted final states f^ ``# [batch, n, hidden]`` from exit states and earlier final states."""
+        raise NotImplementedError(f"{type(self).__name__} reads no context")
+
+    def logits_of(self, f_hat: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``# [..., vocab]`` float32 from predicted final states."""
+        raise NotImplementedError(f"{type(self).__name__} reads no context")
 
 
 class CachedHead(ExitHead):

@@ -62,7 +62,7 @@ class DeepContextHead(DecoderLayerHead):
         x = self.linear(self.fuse)(torch.cat([self.norm_h(h), self.norm_f(context.to(h.dtype))], dim=-1))
         return self.run_block(x, positions, state, tree)
 
-    def project(self, h: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+    def project(self, h: torch.Tensor, depth: int) -> torch.Tensor:
         """Exit states -> what ``features`` reads: themselves (a nested head maps each depth, heads.nested)."""
         return h
 

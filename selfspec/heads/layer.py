@@ -11,7 +11,10 @@ attention keeps its own one-layer KV cache per sequence, rolled back with the ta
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
 
 from selfspec.heads.base import CachedHead
 from selfspec.heads.kangaroo import RMSNorm
@@ -27,8 +30,9 @@ class DecoderLayerHead(CachedHead):
     def __init__(self, split: SplitModel, exit_layer: int) -> None:
         super().__init__(split, exit_layer)
         src = min(exit_layer, split.num_layers - 1)  # the target layer copied (k, or the last at k = L)
-        self.block = dequantized_copy(split.layers[src])
-        self.block.self_attn.layer_idx = 0  # its own one-layer cache
+        block: Any = dequantized_copy(split.layers[src])  # the architecture's decoder layer (submodules by name)
+        block.self_attn.layer_idx = 0  # its own one-layer cache
+        self.block: nn.Module = block
         self.norm_out = RMSNorm(split.hidden_size, getattr(split.config, "rms_norm_eps", 1e-6))
         self._kind, self._window = split.layer_types[src], split.windows[src]
         self._fast: tuple[tuple[int, ...], FastLayer] | None = None

@@ -19,7 +19,7 @@ Verification is unchanged (it starts from the depth the round drafted at), so ou
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -43,10 +43,11 @@ class NestedDeepHead(DeepContextHead):
         self.depths = depths
         hidden, eps = split.hidden_size, getattr(split.config, "rms_norm_eps", 1e-6)
         self.depth_norm = nn.ModuleDict({str(d): RMSNorm(hidden, eps) for d in depths})
-        self.depth_map = nn.ModuleDict({str(d): nn.Linear(hidden, hidden, bias=False) for d in depths})
+        maps = {str(d): nn.Linear(hidden, hidden, bias=False) for d in depths}
         with torch.no_grad():
-            for m in self.depth_map.values():
+            for m in maps.values():
                 m.weight.copy_(torch.eye(hidden))
+        self.depth_map = nn.ModuleDict(maps)
         self.to(device=split.device, dtype=split.dtype)
 
     def args(self) -> dict[str, Any]:
@@ -56,4 +57,5 @@ class NestedDeepHead(DeepContextHead):
         """Exit states of depth ``depth`` ``# [batch, n, hidden]`` -> the shared input space of ``features``."""
         if str(depth) not in self.depth_map:
             raise ExitLayerError(f"this nested head drafts from depths {self.depths}, not {depth}")
-        return self.linear(self.depth_map[str(depth)])(self.depth_norm[str(depth)](h))
+        depth_map = cast(nn.Linear, self.depth_map[str(depth)])  # built as Linears (ModuleDict is not generic)
+        return self.linear(depth_map)(self.depth_norm[str(depth)](h))

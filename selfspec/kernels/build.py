@@ -77,3 +77,10 @@ def cpu_extension() -> Any | None:
         return None
 
 
+def built_extension() -> Any:
+    """``cpu_extension()`` on a path chosen only because the kernels were built (a packed or quantized weight)."""
+    ext = cpu_extension()
+    assert ext is not None, "selfspec's CPU kernels are not built"
+    return ext
+
+

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.errors import SelfSpecError
-from selfspec.kernels.build import cpu_extension
+from selfspec.kernels.build import built_extension, cpu_extension
 from selfspec.quant.weight import QuantWeight
 
 MAX_GEMV_ROWS = 16  # the custom kernel's row limit (a decoding step, a verification block)
@@ -78,7 +78,8 @@ class PackedLinear:
         self.out_features = sum(w.shape[0] for w in ws)
         self.in_features = ws[0].shape[1]
         quant = any(isinstance(w, QuantWeight) for w in ws)
-        self.device, self.dtype = (torch.device("cpu"), torch.float32) if quant else (ws[0].device, ws[0].dtype)
+        dense = [w for w in ws if isinstance(w, torch.Tensor)]  # every part unless quant
+        self.device, self.dtype = (torch.device("cpu"), torch.float32) if quant else (dense[0].device, dense[0].dtype)
         biases = [b.detach() if b is not None else torch.zeros(w.shape[0], dtype=self.dtype, device=self.device)
                   for w, b in zip(ws, [b for _, b in parts])]
         self.bias = torch.cat(biases) if any(b is not None for _, b in parts) else None
@@ -91,7 +92,7 @@ class PackedLinear:
             self._quant = _quant_segments(ws)
             self.path = "selfspec-quant"
         elif self.path in ("selfspec-cpu", "onednn"):
-            w = torch.cat(ws) if len(ws) > 1 else ws[0]  # the fused weight, kept only in packed form
+            w = torch.cat(dense) if len(dense) > 1 else dense[0]  # the fused weight, kept only in packed form
             if self.path == "selfspec-cpu" and self.in_features % 4 == 0:
                 n_pad = -w.shape[0] % 8
                 if n_pad:
@@ -149,7 +150,7 @@ class PackedLinear:
             # default model at 32 rows took 76 ms against MKL's 115 (48 rows: 108 / 155; 96: a tie; 256: MKL wins)
             for s in range(0, rows, MAX_GEMV_ROWS):
                 e = min(rows, s + MAX_GEMV_ROWS)
-                cpu_extension().linear(x2[s:e], self._packed, self._bias_arg, y[s:e], accumulate)
+                built_extension().linear(x2[s:e], self._packed, self._bias_arg, y[s:e], accumulate)
             return y.view(*lead, self.out_features) if out is None else out
         if self._onednn is not None and no_grad:
             y = torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")

@@ -23,6 +23,7 @@ gate_up, partial rotary).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,9 @@ class Norm:
 
     def __init__(self, module: nn.Module) -> None:
         self.gemma = type(module).__name__ in _GEMMA_NORMS  # (1 + w), multiplied before the cast back
-        w = module.weight.detach()
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor), f"{type(module).__name__} has no weight tensor"
+        w = weight.detach()
         self.weight = (1.0 + w.float()) if self.gemma else w
         self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
 
@@ -87,7 +90,8 @@ class FastLayer:
     """One decoder layer over packed weights; ``forward`` updates ``h`` in place and returns it."""
 
     def __init__(self, layer: nn.Module, index: int, window: int | None = None) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
+        hf: Any = layer  # a transformers decoder layer: its submodules are read by name (the architecture's)
+        attn, mlp = hf.self_attn, hf.mlp
         self.index, self.window = index, window or 0
         if getattr(attn, "attn_logit_softcapping", None):
             raise NotImplementedError("attention logit soft-capping (use backend='reference')")
@@ -98,12 +102,12 @@ class FastLayer:
         self.gate_up = pack_linear(mlp.gate_up_proj) if hasattr(mlp, "gate_up_proj") else pack_linear(mlp.gate_proj, mlp.up_proj)
         self.down = pack_linear(mlp.down_proj)
         self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn
-        self.input_norm = Norm(layer.input_layernorm)
-        self.post_attn_norm = Norm(layer.post_attention_layernorm)
-        self.sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma: norms around attn and MLP outputs
+        self.input_norm = Norm(hf.input_layernorm)
+        self.post_attn_norm = Norm(hf.post_attention_layernorm)
+        self.sandwich = hasattr(hf, "pre_feedforward_layernorm")  # Gemma: norms around attn and MLP outputs
         if self.sandwich:
-            self.pre_ff_norm = Norm(layer.pre_feedforward_layernorm)
-            self.post_ff_norm = Norm(layer.post_feedforward_layernorm)
+            self.pre_ff_norm = Norm(hf.pre_feedforward_layernorm)
+            self.post_ff_norm = Norm(hf.post_feedforward_layernorm)
         self.q_norm = Norm(attn.q_norm) if hasattr(attn, "q_norm") else None
         self.k_norm = Norm(attn.k_norm) if hasattr(attn, "k_norm") else None
         cfg = attn.config
@@ -152,14 +156,20 @@ class FastLayer:
                 a[:, seg.offset : seg.offset + seg.n] = self._attend(qkv[:, seg.offset : seg.offset + seg.n], seg, fused)
         return self._mlp(h, a, fused)
 
+    def _fused_ops(self) -> Any:
+        """The compiled ops (``selfspec/kernels/ops.cpp``): a call is only fused when they were built."""
+        assert self.ops is not None, "a fused call without the compiled ops"
+        return self.ops
+
     def _norm(self, x: torch.Tensor, norm: Norm, fused: bool) -> torch.Tensor:
-        return self.ops.rms_norm(x, norm.weight, norm.eps) if fused else norm(x)
+        return self._fused_ops().rms_norm(x, norm.weight, norm.eps) if fused else norm(x)
 
     def _qkv(self, h: torch.Tensor, fused: bool) -> torch.Tensor:  # [b, n, hidden] -> [b, n, (hq + 2 hkv) d]
         b, n, _ = h.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(self._norm(h, self.input_norm, fused))
         if fused and self.q_norm is not None:  # Qwen3 / Gemma 3: per-head norms of q and k before rotary
+            assert self.k_norm is not None  # q and k norms come together
             heads = qkv.view(b, n, hq + 2 * hkv, d)
             heads[:, :, :hq] = self._norm(heads[:, :, :hq].contiguous(), self.q_norm, True)
             heads[:, :, hq : hq + hkv] = self._norm(heads[:, :, hq : hq + hkv].contiguous(), self.k_norm, True)
@@ -171,14 +181,16 @@ class FastLayer:
         b, n, _ = qkv.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if fused:
-            q = self.ops.rope_qkv(qkv.contiguous(), *seg.rotary.raw, seg.keys, seg.values, seg.start, hq, hkv)
+            ops = self._fused_ops()
+            q = ops.rope_qkv(qkv.contiguous(), *seg.rotary.raw, seg.keys, seg.values, seg.start, hq, hkv)
             # measured: the fused op wins for 1-2 queries. In the int8 mode every causal block takes it: it computes
             # each query row alone, so a verification block gives bitwise the rows of single steps.
             if seg.causal and (n <= FUSED_ATTENTION_ROWS or self.qkv.int8):
-                return self.ops.attention(q, seg.keys, seg.values, seg.start, self.window, self.scaling)
+                return ops.attention(q, seg.keys, seg.values, seg.start, self.window, self.scaling)
             return self._sdpa(q, seg.keys, seg.values, seg.start + n, seg.mask)
         heads = qkv.view(b, n, hq + 2 * hkv, d)
         if self.q_norm is not None:
+            assert self.k_norm is not None  # q and k norms come together
             q = seg.rotary(self.q_norm(heads[:, :, :hq]))
             k = seg.rotary(self.k_norm(heads[:, :, hq : hq + hkv]))
         else:
@@ -199,7 +211,7 @@ class FastLayer:
             x = self._norm(h, self.post_attn_norm, fused)
         gu = self.gate_up(x)
         if fused and self.silu:
-            y = self.ops.silu_mul(gu)
+            y = self._fused_ops().silu_mul(gu)
         else:
             gate, up = gu.chunk(2, dim=-1)
             y = self.act(gate) * up

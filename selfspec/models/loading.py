@@ -219,6 +219,7 @@ def _load_native(gguf: Path) -> tuple[Any, Any]:
 
 def _quantized(model: Any, cfg: ModelConfig, where: str) -> Any:
     """``model`` quantized to ``cfg.quantize``, through the packed cache (keyed by source, type, file times)."""
+    assert cfg.quantize is not None  # called when quantizing
 
     if torch.device(cfg.device).type != "cpu" or model.dtype != torch.float32:
         raise InvalidConfigError("quantize runs on the CPU in float32 (dtype='auto' or 'float32', device='cpu')")
@@ -262,7 +263,9 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         raise InvalidConfigError("quantize applies to float models; a GGUF is already quantized (dtype='auto' keeps "
                                  "its own types, dtype='float32' dequantizes it)")
     if is_native_quantized(cfg):
-        model, tokenizer = _load_native(local_gguf(cfg))
+        native = local_gguf(cfg)
+        assert native is not None  # is_native_quantized: a local GGUF
+        model, tokenizer = _load_native(native)
         lean_tokenizer(tokenizer)
         if model.generation_config is not None and model.generation_config.pad_token_id is None:
             model.generation_config.pad_token_id = tokenizer.eos_token_id

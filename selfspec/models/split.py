@@ -21,6 +21,7 @@ layers already hold tokens the deep layers have not seen yet.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,18 +71,19 @@ class SplitModel:
     """The target model seen as embed -> layers[i:j] -> final norm -> LM head."""
 
     def __init__(self, model: nn.Module, backend: str = "fast") -> None:
-        cfg = model.config
+        hf: Any = model  # a transformers CausalLM: its config and submodules are read by name (the architecture's)
+        cfg = hf.config
         check_supported(cfg.model_type)
         if backend not in BACKENDS:
             raise InvalidConfigError(f"unknown backend '{backend}' (known: {', '.join(BACKENDS)})")
         self.model = model
         self.config = cfg
-        inner = model.model
+        inner = hf.model
         self.embed_tokens = inner.embed_tokens  # Gemma's scaled embedding scales inside
         self.layers = inner.layers
         self.norm = inner.norm
         self.rotary_emb = inner.rotary_emb
-        self.lm_head = model.lm_head
+        self.lm_head = hf.lm_head
         self.num_layers: int = cfg.num_hidden_layers
         self.softcap: float | None = getattr(cfg, "final_logit_softcapping", None)
         self._rotary_by_type = cfg.model_type == "gemma3_text"

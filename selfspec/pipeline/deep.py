@@ -108,6 +108,7 @@ class DeepStage:
         return [self._verdict(m, x, h[:, : m + 1])]
 
     def _signal(self, h: torch.Tensor) -> torch.Tensor:  # h [n, hidden] at layer e -> [n, kappa] token ids
+        assert self.signal_weight is not None  # set up with the signal layer
         scores = self.split.final_norm(h[None])[0].float() @ self.signal_weight.float().T  # [n, rows]
         top = scores.topk(self.params.signal_k, dim=-1).indices
         return top if self.signal_rows is None else self.signal_rows[top]

@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -159,7 +159,7 @@ class DeepLink:
             code = getattr(self.worker, "exitcode", None)
             raise PipelineError(f"the deep stage is not running{'' if code is None else f' (exit code {code})'}")
 
-    def fail(self, e: PipelineError) -> None:
+    def fail(self, e: PipelineError) -> NoReturn:
         """A stage is gone: close this link (a new pipeline is needed) and raise."""
         if not isinstance(self.worker, threading.Thread):
             self.worker.join(1)

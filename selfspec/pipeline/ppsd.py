@@ -194,6 +194,7 @@ class Pipeline:
         b = self.drafter.propose(seq, min(self.config.gamma, left - 1) + 1, gen)
         if not b.tokens:
             return {}
+        assert b.exit_states is not None  # the early-exit drafter's blocks carry their exit states
         nxt = DraftBlock(b.tokens[1:], None if b.probs is None else b.probs[1:], b.exit_states[:, 1:],
                          start=b.start + 1, source=b.source, exit_layer=b.exit_layer,
                          predicted_finals=None if b.predicted_finals is None else b.predicted_finals[:, 1:])
@@ -258,6 +259,7 @@ class Pipeline:
                 seq.cache.truncate(p)
                 nxt = d.propose(seq, min(cfg.gamma, budget - 1), gen)
             block = nxt
+            assert block.exit_states is not None  # the early-exit drafter's blocks carry their exit states
             msg = [torch.tensor([p, len(block.tokens)], dtype=torch.long), block.exit_states,
                    torch.tensor([block.tokens], dtype=torch.long)]
             self.link.send(Message(BLOCK, msg + ([block.probs.float()] if block.probs is not None else [])))

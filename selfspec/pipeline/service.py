@@ -10,7 +10,7 @@ the next request starts a fresh pipeline, so the server stays up.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 from selfspec.config import GenerateConfig, PipelineConfig
@@ -34,7 +34,7 @@ class PipelineService:
             self.started += 1
         return self.pipe
 
-    def tokens(self, prompt_ids: list[int], gen: GenerateConfig, stats: GenerationStats) -> Iterator[list[int]]:
+    def tokens(self, prompt_ids: list[int], gen: GenerateConfig, stats: GenerationStats) -> Generator[list[int], None, None]:
         """New token chunks of one request, as the verdicts come in; ``stats`` follows them."""
         validate_request(len(prompt_ids), gen, self.ss.split.context_length)
         pipe = self.start()

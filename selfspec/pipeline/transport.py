@@ -94,7 +94,8 @@ class ThreadChannel:
 
     @classmethod
     def pair(cls, timeout: float) -> tuple[ThreadChannel, ThreadChannel]:
-        a, b = queue.Queue(), queue.Queue()
+        a: queue.Queue[Message] = queue.Queue()
+        b: queue.Queue[Message] = queue.Queue()
         return cls(a, b, timeout), cls(b, a, timeout)
 
     def send(self, msg: Message) -> None:

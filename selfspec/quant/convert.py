@@ -10,6 +10,8 @@ Matrices whose input width is not a multiple of 32 stay float. The result is cac
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -37,8 +39,9 @@ def quantize_parts(model: nn.Module, type_name: str) -> tuple[dict[str, QuantWei
         raise InvalidConfigError(f"quantize must be one of {', '.join(QUANTIZE_TYPES)}, got '{type_name}'")
     group = FORMATS[type_name].group
     quant: dict[str, QuantWeight] = {}
-    embed = model.get_input_embeddings()
-    tied = model.lm_head.weight is embed.weight
+    hf: Any = model  # a transformers CausalLM (get_input_embeddings, lm_head)
+    embed = hf.get_input_embeddings()
+    tied = hf.lm_head.weight is embed.weight
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.shape[1] % group == 0:
             if name == "lm_head" and tied:

@@ -74,7 +74,7 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, type={self.qweight.type_name}"
 
 
-def weight_rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def weight_rows(module: nn.Linear | QuantLinear, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` ``# [R]`` of a Linear's or QuantLinear's weight, ``# [R, in_features]``."""
     if isinstance(module, QuantLinear):
         return module.rows(ids)

@@ -126,7 +126,7 @@ def assemble(model: nn.Module, quant: dict[str, QuantWeight], floats: dict[str, 
         module_name, _, kind = hf_name.rpartition(".")
         model.get_submodule(module_name)._parameters[kind] = nn.Parameter(value, requires_grad=False)
     for module_name, qw in quant.items():
-        module = model.get_submodule(module_name)
+        module: Any = model.get_submodule(module_name)  # a Linear or an Embedding (or the architecture's kind)
         if isinstance(module, nn.Embedding):
             scale = getattr(module, "embed_scale", None)
             _set_module(model, module_name, QuantEmbedding(qw, module.padding_idx, scale))
@@ -135,15 +135,16 @@ def assemble(model: nn.Module, quant: dict[str, QuantWeight], floats: dict[str, 
             _set_module(model, module_name, QuantLinear(qw, None if bias is None else bias.detach()))
     for run in fused_runs(quant):  # one block of rows per run (a view when it comes so from the cache)
         QuantWeight.concat([quant[n] for n in run])
-    if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.device.type == "meta":  # tied, no output.weight
-        embed = model.model.embed_tokens
+    hf: Any = model  # a transformers CausalLM: lm_head, model.embed_tokens and config read by name
+    if isinstance(hf.lm_head, nn.Linear) and hf.lm_head.weight.device.type == "meta":  # tied, no output.weight
+        embed = hf.model.embed_tokens
         if isinstance(embed, QuantEmbedding):
-            model.lm_head = QuantLinear(embed.qweight)  # the same packed weight, not a copy
+            hf.lm_head = QuantLinear(embed.qweight)  # the same packed weight, not a copy
         else:
-            model.lm_head.weight = embed.weight
+            hf.lm_head.weight = embed.weight
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
-        raise ModelNotFoundError(f"'{source}' lacks tensors the {model.config.model_type} model needs: "
+        raise ModelNotFoundError(f"'{source}' lacks tensors the {hf.config.model_type} model needs: "
                                  f"{', '.join(missing[:5])}")
     return model.eval().requires_grad_(False)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from selfspec.kernels.build import cpu_extension
+from selfspec.kernels.build import built_extension
 from selfspec.quant.formats import FORMATS, Format, decode
 
 _NO_BIAS = torch.empty(0)
@@ -109,7 +109,7 @@ class QuantWeight:
                accumulate: bool = False) -> torch.Tensor:
         """``out`` ``# [M, >= N]`` (a column slice of a wider output is fine) = or += ``x`` ``# [M, K]`` @ W^T
         (+ bias), 16 rows of x per kernel call."""
-        ext = cpu_extension()
+        ext = built_extension()
         b = bias if bias is not None else _NO_BIAS
         kernel = ext.qlinear_i8 if self.int8 else ext.qlinear
         if x.shape[0] <= KERNEL_ROWS:  # a decoding step: no slicing (each slice is an op on the hot path)
@@ -125,7 +125,7 @@ class QuantWeight:
         out = torch.empty(len(ids), self.shape[1], dtype=torch.float32)
         if (ids >= self.shape[0]).any() or (ids < 0).any():
             raise IndexError(f"row ids must be in [0, {self.shape[0]})")
-        return cpu_extension().qdequant(*self._args(), ids, out)
+        return built_extension().qdequant(*self._args(), ids, out)
 
     def dense(self) -> torch.Tensor:
         """The whole matrix in float32 (the reference path; the engine never calls this)."""

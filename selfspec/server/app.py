@@ -86,7 +86,8 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, gracefu
                 log_level: str = "info") -> GracefulServer:
     """The uvicorn server for an app from ``create_app``; ``.run()`` it (or ``.run(sockets=[sock])``)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=graceful_timeout + 5.0)
+                            # uvicorn annotates an int but passes it to asyncio.wait_for as a timeout (a float is fine)
+                            timeout_graceful_shutdown=graceful_timeout + 5.0)  # type: ignore[arg-type]
     return GracefulServer(config, app.state.selfspec.worker, graceful_timeout)
 
 

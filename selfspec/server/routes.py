@@ -24,6 +24,7 @@ from selfspec.api import StreamEvent
 from selfspec.config import GenerateConfig
 from selfspec.engine import validate_request
 from selfspec.errors import InvalidConfigError, SelfSpecError
+from selfspec.outputs import FinishReason
 from selfspec.server.errors import APIError, from_selfspec_error, internal_error
 from selfspec.server.metrics import Metrics
 from selfspec.server.schemas import (
@@ -227,10 +228,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     st = state_of(request)
     st.check_model(body.model)
     job = await st.submit(body.prompt, body, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
-    head = dict(id="cmpl-" + job.id, created=int(time.time()), model=st.model_name)
+    head: dict[str, Any] = dict(id="cmpl-" + job.id, created=int(time.time()), model=st.model_name)
 
     def whole(events: list[StreamEvent]) -> CompletionResponse:
         text, result = "".join(e.text for e in events), events[-1].result
+        assert result is not None  # the last event carries the result
         choice = CompletionChoice(text=text, finish_reason=result.finish_reason)
         return CompletionResponse(**head, choices=[choice], usage=usage_of(job))
 
@@ -254,14 +256,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     st.check_model(body.model)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     job = await st.submit(body.template_messages(), body, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
-    head = dict(id="chatcmpl-" + job.id, created=int(time.time()), model=st.model_name)
+    head: dict[str, Any] = dict(id="chatcmpl-" + job.id, created=int(time.time()), model=st.model_name)
 
     def whole(events: list[StreamEvent]) -> ChatCompletionResponse:
         text, result = "".join(e.text for e in events), events[-1].result
+        assert result is not None  # the last event carries the result
         choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=result.finish_reason)
         return ChatCompletionResponse(**head, choices=[choice], usage=usage_of(job))
 
-    def chunk(delta: ChatDelta, finish: str | None = None) -> ChatCompletionChunk:
+    def chunk(delta: ChatDelta, finish: FinishReason | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
 
     def chunks(ev: StreamEvent | None) -> list[ChatCompletionChunk]:

@@ -108,7 +108,7 @@ class SpecEERunner:
         if cost_aware and self.settings.max_layer is not None:
             check_layers = [i for i in check_layers if i <= self.settings.max_layer]
         out = _Pass(split.num_layers, None, [])
-        prev = [None]
+        prev: list[list[float] | None] = [None]  # the previous checked layer's candidate probabilities
 
         def visit(i: int, h: torch.Tensor) -> bool:
             if i == k:
@@ -118,6 +118,7 @@ class SpecEERunner:
                     out.scorer = CandidateScorer(*self._norm, split.lm_rows(out.cands), split.softcap)
             if i not in check_layers or out.cands is None:
                 return False
+            assert out.scorer is not None and out.draft_probs is not None  # set with the candidates
             t0 = time.perf_counter()
             logits = out.scorer(h[0, 0])
             feats, prev[0] = features_list(logits, prev[0], out.draft_probs)
@@ -143,17 +144,20 @@ class SpecEERunner:
         r = self.token_pass(seq, seq.pending, p, debt, None, check=len(debt) < MAX_DEBT, head=True,
                             threshold=self.settings.threshold["specee"], stats=stats)
         L = split.num_layers
-        if r.exit_layer < L:
+        if r.exit_layer < L:  # a predictor fired: its token, candidates and their logits are set
+            assert r.token is not None and r.cands is not None and r.cand_logits is not None
             if gen.greedy:
                 nxt = r.token
             else:
                 q = logits_to_probs(r.cand_logits, gen.temperature, gen.top_k, gen.top_p)
                 nxt = int(r.cands[int(sample(q, seq.generator))])
             if d.head.needs_context:
+                assert r.f_hat is not None  # the head ran at layer k
                 d._store_finals(seq, p, r.f_hat[0])  # the head's estimate stands in for f(p) at p + 1
             seq.extras["specee_debt"] = r.debt
             sched.observe(r.exit_layer)
         else:
+            assert r.states is not None  # the token's rows ran through every layer
             n = r.states.shape[1]
             rows = r.states if gen.greedy else r.states[:, -1:]
             logits = split.logits(rows)[0]  # [n or 1, vocab]
@@ -185,6 +189,7 @@ class SpecEERunner:
             check = j < max_drafts
             r = self.token_pass(seq, tok, p + j, debt, f_prev, check=check, head=check, threshold=threshold,
                                 stats=stats, cost_aware=self.settings.cost_aware)
+            assert r.h_k is not None  # every pass stops at the exit layer k
             h_ks.append(r.h_k)
             if r.exit_layer == split.num_layers:
                 if check:
@@ -193,7 +198,8 @@ class SpecEERunner:
             debt = r.debt
             sched.observe(r.exit_layer)
             stats.exit_layers.append(r.exit_layer)
+            assert r.token is not None  # a predictor fired before the last layer
             drafts.append(r.token)
             tok, f_prev = r.token, r.f_hat
-        assert r.states.shape[1] == len(drafts) + 1  # every row at the last layer
+        assert r.states is not None and r.states.shape[1] == len(drafts) + 1  # every row at the last layer
         return DraftBlock(drafts, None, torch.cat(h_ks, dim=1), start=p, source="specee"), r.states

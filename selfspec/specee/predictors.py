@@ -14,7 +14,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,6 +27,9 @@ CONFIG_NAME, WEIGHTS_NAME = "predictors.json", "predictors.safetensors"
 
 
 class ExitPredictor(nn.Module):
+    mean: torch.Tensor  # [features] buffers (register_buffer)
+    std: torch.Tensor
+
     def __init__(self, features: int, hidden: int = 512) -> None:
         super().__init__()
         self.register_buffer("mean", torch.zeros(features))
@@ -38,10 +41,11 @@ class ExitPredictor(nn.Module):
 
     def fold(self) -> None:
         """Fold the standardization into the first layer (decoding: three small ops per check)."""
-        w1, b1 = self.mlp[0].weight.detach().float(), self.mlp[0].bias.detach().float()
+        first, last = cast(nn.Linear, self.mlp[0]), cast(nn.Linear, self.mlp[2])  # built as Linears (__init__)
+        w1, b1 = first.weight.detach().float(), first.bias.detach().float()
         w1 = w1 / self.std.float()
-        self._folded = (b1 - w1 @ self.mean.float(), w1.contiguous(), self.mlp[2].weight.detach().float()[0],
-                        float(self.mlp[2].bias))
+        self._folded = (b1 - w1 @ self.mean.float(), w1.contiguous(), last.weight.detach().float()[0],
+                        float(last.bias))
 
     def prob_of(self, feats: list[float]) -> float:
         """sigmoid(MLP(feats)) for one token's features (after ``fold``)."""
@@ -62,7 +66,7 @@ class ExitPredictors(nn.Module):
         self.meta: dict[str, Any] = dict(meta or {})
 
     def __getitem__(self, layer: int) -> ExitPredictor:
-        return self.nets[str(layer)]
+        return cast(ExitPredictor, self.nets[str(layer)])  # built as ExitPredictors (ModuleDict is not generic)
 
     def prob(self, layer: int, feats: torch.Tensor) -> torch.Tensor:  # [n, 3c] -> [n]
         return torch.sigmoid(self[layer](feats))

@@ -22,7 +22,7 @@ non-increasing. A token that runs through every layer pays every debt off.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +40,7 @@ def run_token(
     debt: list[DebtRow],  # indebted rows at positions p - len(debt) .. p - 1, layers non-increasing
     h: torch.Tensor | None,  # [1, 1, hidden] the new token's embedding at position p (None: only pay the debt)
     p: int,
-    stops: list[int] = (),  # layers (in (0, L)) at which ``visit`` sees the new row's state
+    stops: Sequence[int] = (),  # layers (in (0, L)) at which ``visit`` sees the new row's state
     visit: Callable[[int, torch.Tensor], bool] | None = None,  # (layer, state [1, 1, hidden]) -> exit here?
 ) -> tuple[int, torch.Tensor | None, list[DebtRow]]:
     """Run the new token from layer 0, picking up debt rows at their layers, until ``visit`` says exit at a
@@ -66,6 +66,7 @@ def run_token(
         if joined:
             h = torch.cat([r.state for r in reversed(joined)] + ([h] if h is not None else []), dim=1)
             first -= len(joined)
+        assert h is not None  # the new row, or (h=None) the debt rows, which join at the first layer run
         nxt = min([L, *(s for s in stops if s > i), *([remaining[-1].layer] if remaining else [])])
         pos = torch.arange(first, last + 1, device=h.device).unsqueeze(0)
         h = split.run_layers(h, i, nxt, pos, cache)

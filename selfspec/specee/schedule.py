@@ -24,7 +24,7 @@ class OnlineSchedule:
     def layers_to_check(self) -> list[int]:
         if self.window <= 0 or len(self.recent) < self.window or None in self.recent:
             return self.layers
-        return [i for i in self.layers if any(abs(i - e) <= self.radius for e in self.recent)]
+        return [i for i in self.layers if any(abs(i - e) <= self.radius for e in self.recent if e is not None)]
 
     def observe(self, exit_layer: int | None) -> None:
         """The layer a token exited at (None: it ran through every layer)."""

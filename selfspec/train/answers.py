@@ -56,7 +56,7 @@ def answer_prompts(ss: Any, cfg: AnswerConfig) -> dict[str, Any]:
             _write(f, rec, i == 0)
     os.replace(tmp, out)
     seen = {r["id"] for r in done}
-    todo = []
+    todo: list[tuple[str, str]] = []  # (conversation id, prompt)
     convs = islice(cfg.conversations(max_turns=2), cfg.skip, None)
     for cid, msgs in convs:
         if cfg.max_conversations and len(done) + len(todo) >= cfg.max_conversations:

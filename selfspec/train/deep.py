@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.deep import DeepContextHead
 from selfspec.heads.io import load_head, new_head, save_head
+from selfspec.heads.kangaroo import RMSNorm
 from selfspec.models.split import SplitModel
 from selfspec.progress import progress
 from selfspec.train.cli import load_target
@@ -66,7 +67,9 @@ class DeepTrainConfig:
 def _batches(fs: FeatureSet, batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
     order = torch.randperm(len(fs), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
     lengths = (fs.offsets[1:] - fs.offsets[:-1]).tolist()
-    out, cur, longest = [], [], 0
+    out: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
     for i in order:
         if cur and max(longest, lengths[i]) * (len(cur) + 1) > batch_tokens:
             out.append(cur)
@@ -99,11 +102,24 @@ def _collate(fs: FeatureSet, idx: list[int], k: int, label_map: torch.Tensor | N
     return {"h": h, "ctx": ctx, "final": final, "labels": labels}
 
 
+class DeepFeatures(Protocol):
+    """What the loss and the evaluation use of a deep head: a ``DeepContextHead``, or a nested head at one
+    depth (``selfspec.train.nested.DepthView``)."""
+
+    norm_out: RMSNorm
+
+    def features(self, h: torch.Tensor, context: torch.Tensor, positions: torch.Tensor, /) -> torch.Tensor: ...
+
+    def eval(self) -> object: ...
+
+    def train(self) -> object: ...
+
+
 def _rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def deep_loss(head: DeepContextHead, lm_rows: torch.Tensor, batch: dict[str, torch.Tensor], cfg: DeepTrainConfig,
+def deep_loss(head: DeepFeatures, lm_rows: torch.Tensor, batch: dict[str, torch.Tensor], cfg: DeepTrainConfig,
               ) -> tuple[torch.Tensor, dict[str, float]]:
     h, ctx, final, labels = batch["h"], batch["ctx"], batch["final"], batch["labels"]
     pos = torch.arange(h.shape[1])[None].expand(h.shape[0], -1)
@@ -126,7 +142,7 @@ def deep_loss(head: DeepContextHead, lm_rows: torch.Tensor, batch: dict[str, tor
 
 
 @torch.no_grad()
-def evaluate_deep(head: DeepContextHead, lm_rows: torch.Tensor, fs: FeatureSet, cfg: DeepTrainConfig,
+def evaluate_deep(head: DeepFeatures, lm_rows: torch.Tensor, fs: FeatureSet, cfg: DeepTrainConfig,
                   label_map: torch.Tensor | None) -> dict[str, float]:
     """Held-out top-1 agreement with the target's next token: pass 1 (first draft position, true
     previous final state) and pass 2 (reading the head's own prediction), token-weighted. Labels outside
@@ -228,6 +244,7 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     head = new_head("deep", split, cfg.exit_layer)
+    assert isinstance(head, DeepContextHead)
     head.init_from_target()
     if cfg.init:
         start = load_head(cfg.init, split, cfg.exit_layer)
@@ -255,7 +272,7 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
                                            f"train deep head @ layer {cfg.exit_layer}")
     head.eval().requires_grad_(False)
     after = {d: evaluate_deep(head, lm_rows, fs, cfg, label_map) for d, fs in held_sets.items()}
-    first = next(iter(held_sets), None)  # heldout_before / _after: the first set; heldout_sets: every one
+    first = next(iter(held_sets), "")  # heldout_before / _after: the first set ("": none); heldout_sets: every one
     report = {"config": asdict(cfg), "steps": step, "total_steps": total, "train_tokens": train.num_tokens,
               "train_conversations": len(train), "heldout_before": before.get(first), "heldout_after": after.get(first),
               "heldout_sets": {d: {"before": before.get(d), "after": after[d]} for d in held_sets},

@@ -111,7 +111,7 @@ def collect_features(split: Any, tokenizer: Any, cfg: FeatureConfig) -> dict[str
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     prog_path = out / "progress.json"
-    prog = json.loads(prog_path.read_text()) if prog_path.is_file() else {
+    prog: dict[str, Any] = json.loads(prog_path.read_text()) if prog_path.is_file() else {
         "conversations": 0, "tokens": 0, "shards": 0, "seconds": 0.0, "config": asdict(cfg)}
     if prog["config"]["layers"] != cfg.layers or prog["config"]["max_tokens"] != cfg.max_tokens:
         raise InvalidConfigError(f"{out} holds features of other settings ({prog['config']}); use another --out")

@@ -75,7 +75,8 @@ def parse_depths(text: str) -> list[int]:
 def nested_loss(head: NestedDeepHead, lm_rows: torch.Tensor, batches: dict[int, dict[str, torch.Tensor]],
                 cfg: NestedTrainConfig, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
     """``batches``: depth -> collated batch (same conversations; only ``h`` differs)."""
-    total, metrics = 0.0, {}
+    total: torch.Tensor | float = 0.0
+    metrics: dict[str, float] = {}
     for d, batch in batches.items():
         loss, m = deep_loss(DepthView(head, d), lm_rows, batch, cfg)
         total = total + loss
@@ -90,6 +91,7 @@ def nested_loss(head: NestedDeepHead, lm_rows: torch.Tensor, batches: dict[int, 
         loss, m = deep_loss(DepthView(head, None), lm_rows, mixed, replace(cfg, unroll_weight=0.0))
         total = total + cfg.mixed_weight * loss
         metrics["top1_mixed"] = m["top1"]
+    assert isinstance(total, torch.Tensor)  # batches holds at least one depth
     return total, metrics
 
 
@@ -108,6 +110,7 @@ def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[Nested
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     head = new_head("nested", split, cfg.exit_layer, depths=depths)
+    assert isinstance(head, NestedDeepHead)
     head.init_from_target()
     vocab_ids = None
     if cfg.init:

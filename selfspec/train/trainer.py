@@ -126,7 +126,7 @@ def head_loss(head: ExitHead, feats: list[Features], cfg: TrainConfig) -> tuple[
 def evaluate(head: ExitHead, feats: list[Features], cfg: TrainConfig) -> dict[str, float]:
     """Held-out KL and top-1 agreement (the per-token greedy acceptance), token-weighted."""
     tot = {"kl": 0.0, "ce": 0.0, "top1_agreement": 0.0}
-    n = 0
+    n: float = 0  # tokens
     for i in range(0, len(feats), cfg.batch_size):
         _, m = head_loss(head, feats[i : i + cfg.batch_size], cfg)
         for k in tot:
@@ -180,7 +180,8 @@ def train_head(split: SplitModel, seqs: list[dict[str, list[int]]], cfg: TrainCo
         step, history = state["step"], state["history"]
     bar = progress(total=total, initial=step, desc=f"train {cfg.kind} head @ layer {cfg.exit_layer}", unit="step",
                    inner=inner)
-    t0, seen = time.perf_counter(), 0
+    t0 = time.perf_counter()
+    seen: float = 0  # tokens trained on
     while step < total:
         epoch, within = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_f), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch)).tolist()
