@@ -1,8 +1,6 @@
 """``python -m selfspec ...``: the same command line as ``selfspec ...`` (selfspec.cli)."""
 
-import sys
-
-from selfspec.cli import main
+from selfspec.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

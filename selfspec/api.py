@@ -17,7 +17,8 @@ from typing import Any, cast
 
 from selfspec.batch.scheduler import BatchConfig, TextScheduler
 from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, PipelineConfig
-from selfspec.costs import DraftCosts, measure_draft_costs
+from selfspec.cost_cache import CostCache
+from selfspec.costs import DraftCosts
 from selfspec.drafting.registry import build_draft
 from selfspec.engine import Engine
 from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplateError
@@ -37,7 +38,7 @@ class SelfSpec:
                  backend: str = "fast") -> None:
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.split = SplitModel(model, backend)
-        self._costs: dict[tuple, DraftCosts] = {}
+        self.cost_cache = CostCache(self.split)  # measured draft costs, cached on disk (selfspec.cost_cache)
         self.eos_token_ids = self._model_eos_ids()
         self.draft_config = DraftConfig()
         self.engine = Engine(self.split)
@@ -70,22 +71,18 @@ class SelfSpec:
         self.draft_config, self.head, self.tuning_result = built.draft, built.head, built.tuning
 
     def tuning(self, head: ExitHead | None = None, refresh: bool = False) -> Tuning:
-        """The self-tuning calibration of ``head`` (default: the current one) on this machine (cached)."""
+        """The self-tuning calibration of ``head`` (default: the current one) on this machine (cached);
+        ``refresh``: calibrated again, its costs measured again too."""
         head = head or self.head
-        costs = {d: self.draft_costs(head, None, d) for d in head_depths(head)}
+        costs = {d: self.draft_costs(head, None, d, refresh=refresh) for d in head_depths(head)}
         return tuned(self.split, head, self.tokenizer, refresh=refresh, costs=costs)
 
-    def _cost_key(self, head: ExitHead, depth: int) -> tuple:
-        return depth, head.source or "lm", head.kind, len(head.vocab_ids)
-
-    def draft_costs(self, head: ExitHead, draft: DraftConfig | None = None, depth: int | None = None) -> DraftCosts:
-        """Forward costs of ``head``'s draft at ``depth`` (default: its exit layer) on this machine (measured
-        once per head and depth, ~1-2 s)."""
-        depth = depth or head.exit_layer
-        key = self._cost_key(head, depth)
-        if key not in self._costs:
-            self._costs[key] = measure_draft_costs(self.split, head, exit_layer=depth)
-        return self._costs[key]
+    def draft_costs(self, head: ExitHead, draft: DraftConfig | None = None, depth: int | None = None,
+                    refresh: bool = False) -> DraftCosts:
+        """Forward costs of ``head``'s draft at ``depth`` (default: its exit layer) on this machine: measured
+        once per machine, model, head, depth and kernel build (~1-2 s) and cached on disk, checked at each load
+        by timing one plain step (``selfspec.cost_cache``); ``refresh``: measured now."""
+        return self.cost_cache.get(head, depth or head.exit_layer, refresh)
 
     # ---- prompts ----------------------------------------------------------------------
     def _model_eos_ids(self) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,13 +29,14 @@ from selfspec.memory import trim_heap
 from selfspec.models.split import SplitModel
 
 
-def time_call(fn, reps: int = 10, warmup: int = 2, quantile: float = 0.25) -> float:
+def time_call(fn, reps: int = 10, warmup: int = 2, quantile: float = 0.25, budget: float | None = None) -> float:
     """A quantile (default the lower quartile, robust to a shared machine's spikes) of ``reps`` timings
-    of ``fn()``, in seconds."""
+    of ``fn()``, in seconds; with a ``budget`` (seconds, warm-up included) fewer once it is spent (at least one)."""
+    start = time.perf_counter()
     for _ in range(warmup):
         fn()
-    ts = []
-    for _ in range(reps):
+    ts: list[float] = []
+    while len(ts) < reps and not (ts and budget is not None and time.perf_counter() - start > budget):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
@@ -44,9 +46,10 @@ def time_call(fn, reps: int = 10, warmup: int = 2, quantile: float = 0.25) -> fl
 
 @torch.inference_mode()
 def time_layers(split: SplitModel, start: int, end: int, n: int, context: int, reps: int = 10,
-                lm_head: bool = False) -> float:
+                lm_head: bool = False, **timing: Any) -> float:
     """Seconds for ``n`` new tokens through layers [start, end) (+ final norm and LM head) over a cache
-    already holding ``context`` tokens; the cache is rolled back after each call."""
+    already holding ``context`` tokens; the cache is rolled back after each call. ``timing``: ``time_call``'s
+    warmup, quantile, budget."""
     cache = split.new_cache(context + n)
     g = torch.Generator().manual_seed(0)
     ctx_ids = torch.randint(0, split.vocab_size, (1, context), generator=g, device=split.device)
@@ -65,7 +68,7 @@ def time_layers(split: SplitModel, start: int, end: int, n: int, context: int, r
         for i in range(start):
             cache.lengths[i] = context + n
 
-    return time_call(call, reps)
+    return time_call(call, reps, **timing)
 
 
 @torch.inference_mode()
@@ -122,6 +125,19 @@ class DraftCosts:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DraftCosts:
+        """The inverse of ``to_dict``, also after a JSON round trip (which turns the block sizes into strings).
+        Raises KeyError / TypeError / ValueError on anything else."""
+        def table(t: dict) -> dict[int, float]:
+            return {int(n): float(v) for n, v in t.items()}
+
+        costs = cls(int(data["exit_layer"]), float(data["t_shallow"]), float(data["t_head"]), table(data["t_deep"]),
+                    table(data.get("t_shallow_block", {})), int(data.get("tree_width", 1)))
+        if 1 not in costs.t_deep:
+            raise ValueError("draft costs without t_deep[1]")
+        return costs
 
 
 def _interpolate(table: dict[int, float], n: int) -> float:

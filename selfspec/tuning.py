@@ -2,7 +2,8 @@
 
 On first use of a model + exit head on a machine (``DraftConfig.tune="auto"``), selfspec measures
 
-  - forward costs at every depth the head drafts from (selfspec.costs: shallow and deep blocks, the head);
+  - forward costs at every depth the head drafts from (selfspec.costs: shallow and deep blocks, the head;
+    cached on their own, ``selfspec.cost_cache``, and checked at every load);
   - acceptance per draft position, at every depth and tree width, by decoding a few built-in prompts with
     a fixed long draft (conditional acceptance: position i counts only when positions < i were accepted);
 
@@ -36,7 +37,7 @@ from selfspec.engine import MAX_TREE_NODES, Engine
 from selfspec.heads.base import ExitHead, model_fingerprint
 from selfspec.memory import trim_heap
 from selfspec.models.split import SplitModel
-from selfspec.paths import cache_root
+from selfspec.paths import atomic_write_text, cache_root
 from selfspec.progress import progress
 
 TUNING_VERSION = 4
@@ -250,11 +251,7 @@ def tuned(split: SplitModel, head: ExitHead, tokenizer: Any = None, refresh: boo
     if found is not None:
         return found
     result = calibrate(split, head, tokenizer, costs=costs)
-    path = cache_path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result.to_dict(), indent=1))
-    tmp.replace(path)
+    atomic_write_text(cache_path(key), json.dumps(result.to_dict(), indent=1))
     return result
 
 

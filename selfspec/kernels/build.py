@@ -29,7 +29,9 @@ def _isa_flags() -> list[str]:
     return []
 
 
-def _cpu_flags() -> str:
+@lru_cache(maxsize=1)
+def cpu_flags() -> str:
+    """The CPU's flags line (/proc/cpuinfo), else the processor's name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -51,6 +53,26 @@ def _clear_stale_lock(lock: Path, max_age: float = 600.0) -> None:
 
 
 @lru_cache(maxsize=1)
+def kernel_source_hash() -> str:
+    """What the compiled code is made of: the C++ sources and the instruction-set flags (not the folder they
+    lie in, nor torch or the CPU: a key that needs those adds them). Measured draft costs are keyed on it
+    (``selfspec.cost_cache``)."""
+    src = b"".join(p.read_bytes() for p in _SOURCES)
+    return hashlib.sha256(src + " ".join(_isa_flags()).encode()).hexdigest()[:12]
+
+
+@lru_cache(maxsize=1)
+def kernel_tag() -> str:
+    """The build's tag (its folder ``cache_root()/kernels/cpu-<tag>`` and module name): the sources, their
+    folder (ninja records source paths, so two checkouts sharing one build folder would rebuild it in turn),
+    torch's version, the CPU's flags and the instruction-set flags."""
+    src = b"".join(p.read_bytes() for p in _SOURCES)
+    where = str(_SOURCES[0].parent).encode()
+    return hashlib.sha256(src + where + torch.__version__.encode() + cpu_flags().encode()
+                          + " ".join(_isa_flags()).encode()).hexdigest()[:12]
+
+
+@lru_cache(maxsize=1)
 def cpu_extension() -> Any | None:
     """selfspec's compiled CPU kernels (gemv.cpp: linear; ops.cpp: the fused decoding ops), built once per
     source / torch / CPU into the cache (about a minute), or None where they cannot be built."""
@@ -58,11 +80,7 @@ def cpu_extension() -> Any | None:
         return None
     from torch.utils import cpp_extension
 
-    src = b"".join(p.read_bytes() for p in _SOURCES)
-    # the source folder too: ninja records source paths, so two checkouts sharing one build folder rebuild it in turn
-    where = str(_SOURCES[0].parent).encode()
-    tag = hashlib.sha256(src + where + torch.__version__.encode() + _cpu_flags().encode()
-                         + " ".join(_isa_flags()).encode()).hexdigest()[:12]
+    tag = kernel_tag()
     build = cache_root() / "kernels" / f"cpu-{tag}"
     build.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build / "lock")
