@@ -1,6 +1,8 @@
 """``python -m selfspec ...``: the same command line as ``selfspec ...`` (selfspec.cli)."""
 
-from selfspec.cli import run
+import sys
+
+from selfspec.cli import main
 
 if __name__ == "__main__":
-    run()
+    sys.exit(main())

@@ -4,13 +4,10 @@ configs (selfspec.config), so names match the Python API: ``max_new_tokens`` <->
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
-import os
 import sys
-import threading
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 from selfspec.api import SelfSpec
 from selfspec.bench.batching import add_parser as add_bench_batch
@@ -160,24 +157,5 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def run(argv: list[str] | None = None) -> NoReturn:
-    """The command line's entry point (``selfspec``, ``python -m selfspec``): ``main``, then a quick exit.
-    Tearing the interpreter down (thousands of torch and transformers modules) takes a second or more after
-    the work is done (1.0-1.4 s after a one-shot ``generate`` of the default model). With only the main thread
-    left there is nothing that teardown must wait for: the exit handlers run (atexit: multiprocessing's
-    children, logging), the output is flushed, and the process ends. Another thread still running: the usual
-    exit, which joins it."""
-    rc = main(argv)
-    if threading.active_count() > 1:
-        sys.exit(rc)
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe (| head) or stream: nothing more to say
-            pass
-    os._exit(rc)
-
-
 if __name__ == "__main__":
-    run()
+    sys.exit(main())

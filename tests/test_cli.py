@@ -1,6 +1,5 @@
 """The command line's parser: the command table, list options (comma-separated and/or repeated), and
-config <-> option mapping (selfspec.config.add_config_args / config_from_args); the entry point's exit.
-Nothing is run."""
+config <-> option mapping (selfspec.config.add_config_args / config_from_args). Nothing is run."""
 
 from __future__ import annotations
 
@@ -128,27 +127,3 @@ def test_config_options_refuse_bad_values(argv, capsys) -> None:
         toy(*argv)
     err = capsys.readouterr().err
     assert "invalid" in err or "unrecognized" in err
-
-
-def test_the_entry_point_runs_exit_handlers_then_ends_with_mains_code(monkeypatch) -> None:
-    import threading
-
-    import selfspec.cli as cli
-
-    calls: list[str] = []
-
-    def quick_exit(code: int) -> None:
-        calls.append(f"_exit {code}")
-        raise SystemExit(code)
-
-    monkeypatch.setattr(cli, "main", lambda argv=None: 3)
-    monkeypatch.setattr(cli.atexit, "_run_exitfuncs", lambda: calls.append("atexit"))
-    monkeypatch.setattr(cli.os, "_exit", quick_exit)
-    monkeypatch.setattr(threading, "active_count", lambda: 1)
-    with pytest.raises(SystemExit) as ended:
-        cli.run()
-    assert ended.value.code == 3 and calls == ["atexit", "_exit 3"]
-    monkeypatch.setattr(threading, "active_count", lambda: 2)  # another thread running: the usual exit
-    with pytest.raises(SystemExit) as ended:
-        cli.run()
-    assert ended.value.code == 3 and calls == ["atexit", "_exit 3"]
