@@ -277,6 +277,28 @@ void check_linear(const torch::Tensor& x, const torch::Tensor& codes, const torc
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias: [N] or empty");
 }
 
+// The raw pointers and sizes of a checked qlinear / qlinear_i8 call (the packed weight, bias, output).
+struct LinearArgs {
+  int64_t M, K, NB, G, N, ldy;
+  const uint8_t* codes;
+  const float* scales;
+  const float* offsets;  // nullptr: the type has no offsets
+  const float* bias;     // nullptr: none
+  float* y;
+  float z;
+  bool off;
+};
+
+LinearArgs linear_args(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                       const torch::Tensor& offsets, int64_t bits, int64_t group, double z, const torch::Tensor& bias,
+                       torch::Tensor& out) {
+  check_linear(x, codes, scales, offsets, bits, group, bias, out);
+  const bool off = offsets.numel() > 0;
+  return {x.size(0), x.size(1), codes.size(0), codes.size(1), out.size(1), out.stride(0),
+          codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), off ? offsets.data_ptr<float>() : nullptr,
+          bias.numel() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), (float)z, off};
+}
+
 }  // namespace
 
 // x [M, K] float32 contiguous; the packed weight (codes, scales, offsets, bits, group, zero point z);
@@ -284,19 +306,10 @@ void check_linear(const torch::Tensor& x, const torch::Tensor& codes, const torc
 // written or added to. Returns out.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
                       int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
-  check_linear(x, codes, scales, offsets, bits, group, bias, out);
-  const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), G = codes.size(1), N = out.size(1);
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const bool off = offsets.numel() > 0;
-  const float* op = off ? offsets.data_ptr<float>() : nullptr;
-  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  float* yp = out.data_ptr<float>();
-  const int64_t ldy = out.stride(0);
-  const float zf = (float)z;
-  dispatch(bits, off, [&](auto B, auto O) {
-    run<decltype(B)::value, decltype(O)::value>(xp, M, K, cp, sp, op, NB, G, group, zf, bp, yp, ldy, N, accumulate);
+  const LinearArgs a = linear_args(x, codes, scales, offsets, bits, group, z, bias, out);
+  dispatch(bits, a.off, [&](auto B, auto O) {
+    run<decltype(B)::value, decltype(O)::value>(x.data_ptr<float>(), a.M, a.K, a.codes, a.scales, a.offsets, a.NB,
+                                                a.G, group, a.z, a.bias, a.y, a.ldy, a.N, accumulate);
   });
   return out;
 }
@@ -437,8 +450,8 @@ void run_i8(const int8_t* qx, const float* dx, const int32_t* sx, int64_t M, int
 // As qlinear, with x rounded to 8 bits per group of the weight's group size (the int8 numerics mode).
 torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                          int64_t bits, int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
-  check_linear(x, codes, scales, offsets, bits, group, bias, out);
-  const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), G = codes.size(1), N = out.size(1);
+  const LinearArgs a = linear_args(x, codes, scales, offsets, bits, group, z, bias, out);
+  const int64_t M = a.M, K = a.K, G = a.G;
   std::vector<int8_t> qx(M * K);
   std::vector<float> dx(M * G);
   std::vector<int32_t> sx(M * G);
@@ -458,17 +471,10 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
     dx[i] = d;
     sx[i] = sum;
   }
-  const bool off = offsets.numel() > 0;
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* op = off ? offsets.data_ptr<float>() : nullptr;
-  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  float* yp = out.data_ptr<float>();
-  const int64_t ldy = out.stride(0);
-  const float zf = (float)z;
-  dispatch(bits, off, [&](auto B, auto O) {
-    run_i8<decltype(B)::value, decltype(O)::value>(qx.data(), dx.data(), sx.data(), M, K, cp, sp, op, NB, G, group,
-                                                   zf, bp, yp, ldy, N, accumulate);
+  dispatch(bits, a.off, [&](auto B, auto O) {
+    run_i8<decltype(B)::value, decltype(O)::value>(qx.data(), dx.data(), sx.data(), M, K, a.codes, a.scales,
+                                                   a.offsets, a.NB, G, group, a.z, a.bias, a.y, a.ldy, a.N,
+                                                   accumulate);
   });
   return out;
 }
