@@ -135,9 +135,6 @@ class Scheduler:
         if req.solo is not None:
             req.solo.close()
 
-    def _speculative(self, req: BatchRequest) -> bool:
-        return req.gen.method == "selfspec" and self.engine.drafter is not None
-
     def _admit(self) -> list[BatchRequest]:
         new = []
         while self.waiting and len(self.running) < self.config.max_batch:
@@ -153,7 +150,7 @@ class Scheduler:
                 req.solo = self.engine.generate_tokens(req.prompt_ids, req.gen, req.stats)
             elif not req.pipelined:
                 req.seq = self.engine.new_sequence(len(req.prompt_ids), req.gen)
-                if self._speculative(req):
+                if self.engine.speculative(req.gen.method):
                     self.engine.need_drafter().begin(req.seq, req.gen.seed)
                 req.stats.prompt_tokens = len(req.prompt_ids)
             self.running.append(req)
@@ -174,7 +171,7 @@ class Scheduler:
         entries = []
         for r in batch:
             assert r.seq is not None  # admitted without a loop of its own: _admit gave it a sequence
-            entries.append(BatchEntry(r.seq, r.gen, r.stats, r.remaining, self._speculative(r),
+            entries.append(BatchEntry(r.seq, r.gen, r.stats, r.remaining, self.engine.speculative(r.gen.method),
                                       r.prompt_ids if id(r) in new else None,
                                       *(caps if r.gen.greedy else self.config.caps(1))))
         with torch.inference_mode():
