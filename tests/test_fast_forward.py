@@ -128,3 +128,31 @@ def test_ragged_batch_forward_equals_each_sequence_alone(arch):
                     n = c1.lengths[i]
                     torch.testing.assert_close(c2.keys[i][:, :, :n], c1.keys[i][:, :, :n], atol=1e-5, rtol=1e-5)
                     torch.testing.assert_close(c2.values[i][:, :, :n], c1.values[i][:, :, :n], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("b,n,hq,hkv,d,start,window", [
+    (1, 1, 14, 2, 64, 200, 0), (1, 4, 14, 2, 64, 255, 0), (2, 3, 9, 3, 64, 30, 0), (1, 8, 14, 2, 64, 100, 16),
+    (1, 16, 4, 1, 32, 5, 0), (1, 5, 8, 8, 128, 40, 7), (1, 1, 9, 3, 64, 0, 0), (1, 13, 6, 2, 80, 3, 0)])
+def test_fused_attention_matches_softmax_and_rows_do_not_interact(b, n, hq, hkv, d, start, window):
+    """ops.attention (query rows of a KV head in vector lanes, its own exp): equal to softmax attention in float64 up
+    to float rounding, and each row of a block bitwise the row of a single-query call at that position (what lets
+    a verification block stand for single steps in the int8 mode)."""
+    from selfspec.kernels.build import cpu_extension
+
+    ops = cpu_extension()
+    g = torch.Generator().manual_seed(n * 100 + start)
+    cap = start + n + 3
+    q, keys, values = (torch.randn(*s, generator=g) for s in ((b, n, hq, d), (b, hkv, cap, d), (b, hkv, cap, d)))
+    scale = d ** -0.5
+    out = ops.attention(q, keys, values, start, window, scale)
+    group = hq // hkv
+    for i in range(n):
+        pos = start + i
+        lo = max(0, pos - window + 1) if window else 0
+        k, v = keys[:, :, lo : pos + 1].double(), values[:, :, lo : pos + 1].double()
+        for h in range(hq):
+            p = torch.softmax(torch.einsum("bd,bjd->bj", q[:, i, h].double(), k[:, h // group]) * scale, -1)
+            ref = torch.einsum("bj,bjd->bd", p, v[:, h // group]).float()
+            torch.testing.assert_close(out[:, i, h * d : (h + 1) * d], ref, atol=2e-6, rtol=1e-5)
+        one = ops.attention(q[:, i : i + 1].contiguous(), keys, values, pos, window, scale)
+        assert torch.equal(one[:, 0], out[:, i])

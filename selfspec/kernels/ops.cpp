@@ -10,6 +10,7 @@
 //   cos    # [B, n, rot]                  rotary tables (rot <= d: partial rotary leaves the rest)
 #include <torch/extension.h>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out,
@@ -95,16 +96,44 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   return q;
 }
 
+// e^x for x <= 0 (softmax weights after the max is subtracted), branch-free so that it vectorizes in a
+// `omp simd` loop (std::exp does not without -ffast-math): x = k ln2 + r, |r| <= ln2 / 2, e^r by its
+// degree-6 Taylor polynomial (relative error < 2e-7), 2^k through the exponent bits. x < -87 gives 0.
+inline float exp_nonpos(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float k = std::floor(x * 1.44269504f + 0.5f);
+  const float r = x - k * 0.693145752f - k * 1.42860677e-6f;  // ln2 split in two for an exact k ln2
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
 // Causal attention of n new queries (positions start .. start + n - 1) over the cache's first
 // start + n entries, grouped-query heads, optional sliding window (0: none): query at position p
 // sees keys j with max(0, p - window + 1) <= j <= p. Returns [B, n, hq * d].
+//
+// The group * n query rows that share one key/value head are computed together, LANES rows to a work
+// item, one row per vector lane: for each key, score[lane] = q[lane] . k over the head dim with the key's
+// element broadcast (no horizontal sum per key), the softmax (max, exp, sum) lane-wise, then each row's
+// weighted sum of values. A row's arithmetic is the same whatever the other lanes hold (masked keys
+// weigh exactly 0), so a block of n queries gives bitwise the rows of n single-query calls: the int8
+// numerics mode relies on that.
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
                         int64_t window, double scale) {
   check_f32(q, "q");
   check_f32(keys, "keys");
   check_f32(values, "values");
+  constexpr int64_t LANES = 16;
   const int64_t B = q.size(0), n = q.size(1), hq = q.size(2), d = q.size(3);
   const int64_t hkv = keys.size(1), cap = keys.size(2), group = hq / hkv;
+  const int64_t rows = group * n, chunks = (rows + LANES - 1) / LANES, len = start + n;
+  TORCH_CHECK(len <= cap, "cache too small");
   auto out = torch::empty({B, n, hq * d}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = keys.data_ptr<float>();
@@ -113,44 +142,97 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   const float sc = static_cast<float>(scale);
 #pragma omp parallel
   {
-    std::vector<float> score(start + n);
-    std::vector<float> acc(d);
-#pragma omp for collapse(2) schedule(static)
+    std::vector<float> qt(d * LANES), score(len * LANES);
+    alignas(64) float mx[LANES], total[LANES];
+    alignas(64) int32_t lo[LANES], hi[LANES];
+#pragma omp for collapse(3) schedule(static)
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < hq; ++h) {
-        const float* K = kp + (b * hkv + h / group) * cap * d;
-        const float* Vv = vp + (b * hkv + h / group) * cap * d;
-        for (int64_t i = 0; i < n; ++i) {
-          const float* qi = qp + ((b * n + i) * hq + h) * d;
-          const int64_t pos = start + i;
-          const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-          float mx = -INFINITY;
-          for (int64_t j = lo; j <= pos; ++j) {
-            const float* kj = K + j * d;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t t = 0; t < d; ++t) s += qi[t] * kj[t];
-            s *= sc;
-            score[j] = s;
-            mx = s > mx ? s : mx;
+      for (int64_t g = 0; g < hkv; ++g)
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* K = kp + (b * hkv + g) * cap * d;
+          const float* V = vp + (b * hkv + g) * cap * d;
+          const int64_t r0 = c * LANES, nr = std::min(LANES, rows - r0);
+          int64_t jlo = len, jhi = 0;
+          for (int64_t l = 0; l < LANES; ++l) {  // lane l: query i = r / group of head g * group + r % group
+            const int64_t r = r0 + l, i = r / group, h = g * group + r % group;
+            const bool live = l < nr;
+            const int64_t pos = start + i;
+            lo[l] = live ? static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) : 1;
+            hi[l] = live ? static_cast<int32_t>(pos) : 0;  // a padding lane sees no key (lo > hi)
+            for (int64_t t = 0; t < d; ++t) qt[t * LANES + l] = live ? qp[((b * n + i) * hq + h) * d + t] : 0.f;
+            if (live) {
+              jlo = std::min<int64_t>(jlo, lo[l]);
+              jhi = std::max<int64_t>(jhi, hi[l]);
+            }
+            mx[l] = -INFINITY;
+            total[l] = 0.f;
           }
-          float total = 0.f;
-          for (int64_t j = lo; j <= pos; ++j) {
-            score[j] = std::exp(score[j] - mx);
-            total += score[j];
-          }
-          for (int64_t t = 0; t < d; ++t) acc[t] = 0.f;
-          for (int64_t j = lo; j <= pos; ++j) {
-            const float* vj = Vv + j * d;
-            const float p = score[j];
+          // keys four at a time: four independent multiply-add chains per lane (one chain per key is
+          // latency-bound); each key's dot is still summed over t in order, so a row's score never
+          // depends on how the keys were grouped
+          for (int64_t j0 = jlo; j0 <= jhi; j0 += 4) {
+            const int64_t nk = std::min<int64_t>(4, jhi - j0 + 1);
+            alignas(64) float d4[4][LANES];
+            const float* k4[4];
+            for (int64_t u = 0; u < 4; ++u) k4[u] = K + (j0 + (u < nk ? u : 0)) * d;
 #pragma omp simd
-            for (int64_t t = 0; t < d; ++t) acc[t] += p * vj[t];
+            for (int64_t l = 0; l < LANES; ++l) d4[0][l] = d4[1][l] = d4[2][l] = d4[3][l] = 0.f;
+            for (int64_t t = 0; t < d; ++t) {
+              const float* qt_t = qt.data() + t * LANES;
+              const float a0 = k4[0][t], a1 = k4[1][t], a2 = k4[2][t], a3 = k4[3][t];
+#pragma omp simd
+              for (int64_t l = 0; l < LANES; ++l) {
+                const float x = qt_t[l];
+                d4[0][l] += x * a0;
+                d4[1][l] += x * a1;
+                d4[2][l] += x * a2;
+                d4[3][l] += x * a3;
+              }
+            }
+            for (int64_t u = 0; u < nk; ++u) {
+              const int64_t j = j0 + u;
+              float* sj = score.data() + (j - jlo) * LANES;
+#pragma omp simd
+              for (int64_t l = 0; l < LANES; ++l) {
+                const float s = (j >= lo[l] && j <= hi[l]) ? d4[u][l] * sc : -INFINITY;
+                sj[l] = s;
+                mx[l] = s > mx[l] ? s : mx[l];
+              }
+            }
           }
-          float* o = op + ((b * n + i) * hq + h) * d;
-          const float inv = 1.f / total;
-          for (int64_t t = 0; t < d; ++t) o[t] = acc[t] * inv;
+          for (int64_t j = jlo; j <= jhi; ++j) {
+            float* sj = score.data() + (j - jlo) * LANES;
+#pragma omp simd
+            for (int64_t l = 0; l < LANES; ++l) {
+              const float e = sj[l] == -INFINITY ? 0.f : exp_nonpos(sj[l] - mx[l]);
+              sj[l] = e;
+              total[l] += e;
+            }
+          }
+          // weighted values, all lanes at once, eight head-dim columns per pass (eight accumulators of
+          // LANES rows): each value element is broadcast against the lanes' weights, so the values are
+          // read once per chunk, not once per row
+#pragma omp simd
+          for (int64_t l = 0; l < LANES; ++l) total[l] = 1.f / total[l];
+          for (int64_t t0 = 0; t0 < d; t0 += 8) {
+            const int64_t nt = std::min<int64_t>(8, d - t0);
+            alignas(64) float a8[8][LANES] = {};
+            for (int64_t j = jlo; j <= jhi; ++j) {
+              const float* pj = score.data() + (j - jlo) * LANES;
+              const float* vj = V + j * d + t0;
+              for (int64_t u = 0; u < nt; ++u) {
+                const float v = vj[u];
+#pragma omp simd
+                for (int64_t l = 0; l < LANES; ++l) a8[u][l] += pj[l] * v;
+              }
+            }
+            for (int64_t l = 0; l < nr; ++l) {
+              const int64_t r = r0 + l, i = r / group, h = g * group + r % group;
+              float* o = op + ((b * n + i) * hq + h) * d + t0;
+              for (int64_t u = 0; u < nt; ++u) o[u] = a8[u][l] * total[l];
+            }
+          }
         }
-      }
   }
   return out;
 }
