@@ -203,7 +203,8 @@ def train_steps(head: torch.nn.Module, train: FeatureSet, cfg: DeepTrainConfig, 
             order = (epoch, _batches(train, cfg.batch_tokens, cfg.seed, epoch))
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, total, cfg.lr, cfg.warmup, floor=0.05)
-        loss, m = step_loss(order[1][within])
+        # another epoch's order can pack into a batch or two fewer than epoch 0's (whose count sets the schedule)
+        loss, m = step_loss(order[1][within % len(order[1])])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
