@@ -40,12 +40,17 @@ from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
 from selfspec.progress import progress
 
-TUNING_VERSION = 4
-CALIBRATION_PROMPTS = [  # short, varied: chat, code, math, extraction (Spec-Bench's are never used to tune)
+TUNING_VERSION = 5
+# short, varied: chat, code, math, extraction, and the kinds where drafts fail (another language, a short fact):
+# a calibration on easy prompts alone promised the Thompson prior an acceptance the translation group never saw
+# (Spec-Bench's own questions are never used to tune)
+CALIBRATION_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a hash map works and write a Python function that counts word frequencies.",
     "A train travels 120 km in 1.5 hours. What is its average speed? Show your steps.",
     "Summarize the main causes of the French Revolution in five bullet points.",
+    "Translate into German: 'The weather was cold, so we stayed inside and read books all afternoon.'",
+    "Who painted the ceiling of the Sistine Chapel, and in which years?",
 ]
 CHAIN_CAP = 5  # the fixed draft length acceptance is measured with (positions beyond it repeat the last)
 TREE_CAP = 4  # ... and the depth of the trees
@@ -87,7 +92,8 @@ def tuning_key(split: SplitModel, head: ExitHead) -> dict[str, Any]:
         head_id += f"#{(Path(head.source) / 'head.safetensors').stat().st_size}"
     weights = round(float(split.lm_rows(torch.arange(4)).double().sum()), 6)  # tells random test models apart
     return {"version": TUNING_VERSION, "model": model_fingerprint(split), "weights": weights, "head": head_id, "kind": head.kind,
-            "vocab_drafted": len(head.vocab_ids), "dtype": str(split.dtype), "backend": split.backend, "kernel": split.kernel,
+            "vocab_drafted": len(head.vocab_ids),
+            "draft_weights": getattr(head, "draft_weights", "float32"), "dtype": str(split.dtype), "backend": split.backend, "kernel": split.kernel,
             "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "device": str(split.device)}
 

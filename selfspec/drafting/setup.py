@@ -37,6 +37,7 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     the acceptance seen so far (a Thompson posterior per request, or ``CostAwarePolicy``).
     -> (drafter, most drafts per round, the config as resolved, the calibration or None)."""
     head = ss.make_head(draft)
+    head.prepare()  # its draft kernels built now, not in the first request
     check(draft)
     tuning = None
     if draft.gamma is None and draft.tune != "off":
@@ -81,10 +82,8 @@ def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold:
         policy = DepthBandit(arms, k) if draft.depth_policy == "bandit" and len(arms) > 1 else arms[k]
     else:
         policy = CostAwarePolicy(base, shaped[k])
-    if gamma is None and tuning is None:
+    if gamma is None:  # lookup blocks as long as the measured block costs and the lookup acceptance seen pay for
         lookup_policy = CostAwarePolicy(make_policy("fixed"), costs[k].for_lookup(), prior=LOOKUP_PRIOR)
-    # Self-tuned: lookup blocks at full length (`lookup`) whenever there is a match. In the 20-per-group
-    # ablation (docs/BENCHMARKS.md) the cost-aware lookup length cost the adaptive drafts 0.2x hf.
     if gamma is None:
         gamma = MAX_AUTO_GAMMA
         if draft.tree_width > 1:

@@ -103,6 +103,12 @@ class ExitHead(nn.Module):
             self.vocab_ids = torch.as_tensor(ids, dtype=torch.long, device=self.split.device).unique()
         self._trim_lm = None
 
+    def prepare(self) -> None:
+        """Build what drafting uses (the trimmed LM rows, packed or quantized weights) ahead of the first draft."""
+        if len(self.vocab_ids) and self._trim_lm is None:
+            with torch.inference_mode():
+                self._trim_lm = self.split.lm_head_part(self.vocab_ids)
+
     def lm_logits(self, x_normed: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] float32
         """The frozen LM head on normed states (over the trimmed vocabulary when one is set)."""
         if len(self.vocab_ids) == 0:

@@ -9,6 +9,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from selfspec.errors import ExitLayerError, HeadMismatchError, InvalidConfigError, ModelNotFoundError
@@ -52,8 +53,11 @@ def read_head_config(path: str | Path) -> dict[str, Any]:
     return json.loads(cfg_path.read_text())
 
 
-def save_head(head: ExitHead, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
-    """Write the head atomically (a temp dir renamed into place), with what it was trained for."""
+def save_head(head: ExitHead, path: str | Path, extra: dict[str, Any] | None = None,
+              weights_dtype: torch.dtype | None = None) -> Path:
+    """Write the head atomically (a temp dir renamed into place), with what it was trained for.
+    ``weights_dtype`` (e.g. bfloat16) stores the floating-point weights smaller; loading casts them back
+    to the target's dtype (a draft's rounding never changes the output, only its acceptance)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     cfg = {
@@ -63,6 +67,8 @@ def save_head(head: ExitHead, path: str | Path, extra: dict[str, Any] | None = N
     }
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    if weights_dtype is not None:
+        state = {k: v.to(weights_dtype) if v.is_floating_point() else v for k, v in state.items()}
     save_file(state, str(tmp / WEIGHTS_NAME))
     (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
     if path.exists():

@@ -11,6 +11,7 @@ attention keeps its own one-layer KV cache per sequence, rolled back with the ta
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -21,7 +22,20 @@ from selfspec.heads.kangaroo import RMSNorm
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Rotary
 from selfspec.models.split import SplitModel, TreeAttention, block_mask, causal_mask
-from selfspec.quant.modules import dequantized_copy
+from selfspec.quant.convert import quantize_weight
+from selfspec.quant.modules import QuantLinear, dequantized_copy
+
+
+def quantized_block(block: nn.Module, type_name: str) -> nn.Module:
+    """A copy of ``block`` whose linear layers hold ``type_name`` block-quantized weights (what FastLayer packs)."""
+    out = copy.deepcopy(block)
+    for name, module in list(out.named_modules()):
+        if isinstance(module, nn.Linear) and module.in_features % 32 == 0:
+            parent, _, child = name.rpartition(".")
+            bias = None if module.bias is None else module.bias.detach().float()
+            setattr(out.get_submodule(parent) if parent else out, child,
+                    QuantLinear(quantize_weight(module.weight, type_name), bias))
+    return out
 
 
 class DecoderLayerHead(CachedHead):
@@ -42,14 +56,29 @@ class DecoderLayerHead(CachedHead):
         with torch.no_grad():
             self.norm_out.weight.copy_(self.split.norm.weight)
 
+    @property
+    def draft_weights(self) -> str:
+        """The type the block's matrices are drafted with on the fast backend: Q8_0 when the target itself runs
+        block-quantized weights (a quarter of float32's bytes: the head is read once per draft token), else
+        float32. Only the draft changes; verification, hence the output, does not."""
+        return "Q8_0" if self.split.backend == "fast" and self.split.quantized else "float32"
+
+    def prepare(self) -> None:
+        super().prepare()
+        with torch.inference_mode():
+            self._fast_block()
+
     def _fast_block(self) -> FastLayer | None:
-        """The block as a FastLayer (packed weights) for inference on the fast backend; rebuilt when the
-        weights change (an optimizer step bumps their version)."""
+        """The block as a FastLayer (packed weights, see ``draft_weights``) for inference on the fast backend;
+        rebuilt when the weights change (an optimizer step bumps their version)."""
         if self.split.backend != "fast" or torch.is_grad_enabled():
             return None
         version = tuple(p._version for p in self.block.parameters())
         if self._fast is None or self._fast[0] != version:
-            self._fast = (version, FastLayer(self.block, 0, self._window))
+            block = self.block
+            if self.draft_weights != "float32":
+                block = quantized_block(self.block, self.draft_weights)
+            self._fast = (version, FastLayer(block, 0, self._window))
         return self._fast[1]
 
     def run_block(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None,
