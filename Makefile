@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .install.stamp
 
-.PHONY: install demo test lint qwen llama-cpp bench-quick train-default train-deep train-deep-own train-predictors train-nested clean
+.PHONY: install demo test lint qwen llama-cpp bench-quick train-default train-deep train-recipe-qwen train-deep-own train-predictors train-nested clean
 
 $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
@@ -56,6 +56,13 @@ train-deep: install
 		--exclude $(SPECBENCH) --out runs/features/heldout
 	$(PYTHON) -m selfspec collect-features --threads 2 --minutes 28 --exclude $(SPECBENCH) --out runs/features/train
 	$(PYTHON) -m selfspec train-deep --threads 2 --exit-layer 2 --epochs 3 --minutes 15 --out runs/deep-k2
+
+# The whole deep-head recipe in one resumable command, for the second model (~40 min on 2 cores; docs/TRAINING.md).
+# Its head is bundled as selfspec/assets/heads/Qwen2.5-Coder-0.5B-Instruct.
+train-recipe-qwen: qwen
+	$(PIP) install -q -e ".[train]"
+	$(PYTHON) -m selfspec train-recipe --model qwen2.5-coder-0.5b --threads 2 --minutes 45 --exclude $(SPECBENCH) \
+		--out runs/recipe-qwen
 
 # Stage two (~45 min, after train-deep): the target's own answers to ShareGPT prompts, their features,
 # and a fine-tune of runs/deep-k2 on ShareGPT + own answers (counted twice). docs/TRAINING.md.

@@ -32,6 +32,7 @@ from selfspec.train.deep import add_parser as add_train_deep
 from selfspec.train.features import add_parser as add_collect_features
 from selfspec.train.nested import add_parser as add_train_nested
 from selfspec.train.predictors import add_parser as add_train_predictors
+from selfspec.train.recipe import add_parser as add_train_recipe
 from selfspec.train.sweep import add_parser as add_sweep_exit
 from selfspec.tuning import cache_path, format_tuning
 
@@ -131,6 +132,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     add_answer_prompts,  # answer-prompts (selfspec/train/answers.py)
     add_collect_features,  # collect-features (selfspec/train/features.py)
     add_train_deep,  # train-deep (selfspec/train/deep.py)
+    add_train_recipe,  # train-recipe: data to bundled-ready head in one command (selfspec/train/recipe.py)
     add_train_nested,  # train-nested (selfspec/train/nested.py)
     add_train_predictors,  # train-predictors (selfspec/train/predictors.py)
     add_tune,  # tune (above)

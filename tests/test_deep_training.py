@@ -155,3 +155,40 @@ def test_train_nested_every_depth_learns_and_decodes_losslessly(sharegpt_file, t
     assert again["steps"] == report["steps"] and again["heldout_before"] == {}
     with pytest.raises(InvalidConfigError, match="must be one of the depths"):
         train_nested_head(ss.split, NestedTrainConfig(features=feats.out, exit_layer=4, depths="1,2"))
+
+
+def test_train_recipe_end_to_end_resumes_and_its_head_decodes_losslessly(sharegpt_file, tmp_path):
+    """train-recipe on a tiny model: every stage runs, the draft vocabulary is one of the candidates chosen by
+    the measured prediction, the report has acceptance per position before and after, the head (bfloat16 on
+    disk) loads and decodes losslessly, and a second run resumes from the ledger without redoing a stage."""
+    from selfspec.train.recipe import RecipeConfig, train_recipe
+
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE), DraftConfig(head="lm", exit_layer=2, gamma=1))
+    cfg = RecipeConfig(out=str(tmp_path / "run"), minutes=0.5, source=str(sharegpt_file), heldout=0.25, answer_skip=5,
+                       heldout_answers=3, heldout_conversations=3, answer_tokens=12, answer_batch=2,
+                       vocab_sizes="20,40", eval_prompts=2, eval_tokens=8)
+    report = train_recipe(ss, cfg)
+    assert set(report["stages"]) == {"answers-heldout", "answers-train", "features-heldout", "features-own-heldout",
+                                     "features-train", "features-own-train", "train", "vocab", "head", "eval"}
+    sizes = report["vocab"]["sizes"]
+    assert [r["size"] for r in sizes] == [20, 40]
+    assert report["vocab"]["chosen"] == max(sizes, key=lambda r: (r["predicted_speedup"], -r["size"]))["size"]
+    assert sizes[1]["label_in_vocab"] >= sizes[0]["label_in_vocab"]
+    for when in ("before", "after"):
+        assert len(report["eval"][when]["acceptance_rate_per_position"]) == 3
+    assert report["train"]["steps"] > 0 and report["data"]["answers-train"]["answers"] > 0
+    head_dir = tmp_path / "run" / "head"
+    from safetensors import safe_open
+
+    with safe_open(str(head_dir / "head.safetensors"), "pt") as f:
+        assert f.get_tensor("fuse.weight").dtype == torch.bfloat16
+    head = load_head(head_dir, ss.split)
+    assert head.kind == "deep" and len(head.vocab_ids) == report["vocab"]["chosen"]
+    assert json.loads((head_dir / "head_config.json").read_text())["draft"]["tree_width"] >= 0
+    ss.set_draft(DraftConfig(head=str(head_dir), gamma=3, lookup=0))
+    prompt = ss.encode([{"role": "user", "content": "the cat sat on"}])
+    assert ss.generate(prompt, max_new_tokens=16).token_ids == hf_greedy(ss.model, prompt, 16)
+    ledger = json.loads((tmp_path / "run" / "recipe.json").read_text())
+    again = train_recipe(ss, cfg)  # resumed: every stage recorded, nothing run again
+    assert again["stages"] == report["stages"] and again["vocab"] == report["vocab"]
+    assert json.loads((tmp_path / "run" / "recipe.json").read_text())["stages"] == ledger["stages"]
