@@ -92,7 +92,7 @@ def cost_key(split: SplitModel, head: ExitHead, depth: int) -> dict[str, Any]:
                   "backend": split.backend, "kernel": split.kernel},
         "head": {"id": _head_id(head), "kind": head.kind, "params": sum(p.numel() for p in head.parameters()),
                  "vocab_drafted": len(head.vocab_ids), "depth": depth,
-                 "draft_weights": getattr(head, "draft_weights", "float32")},
+                 "draft_weights": head.draft_weights},
         "kernels": {"source": kernel_source_hash(), "env": os.environ.get("SELFSPEC_KERNEL", "")},
         "torch": torch.__version__,
     }

@@ -93,7 +93,7 @@ def tuning_key(split: SplitModel, head: ExitHead) -> dict[str, Any]:
     weights = round(float(split.lm_rows(torch.arange(4)).double().sum()), 6)  # tells random test models apart
     return {"version": TUNING_VERSION, "model": model_fingerprint(split), "weights": weights, "head": head_id, "kind": head.kind,
             "vocab_drafted": len(head.vocab_ids),
-            "draft_weights": getattr(head, "draft_weights", "float32"), "dtype": str(split.dtype), "backend": split.backend, "kernel": split.kernel,
+            "draft_weights": head.draft_weights, "dtype": str(split.dtype), "backend": split.backend, "kernel": split.kernel,
             "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "device": str(split.device)}
 

@@ -103,6 +103,11 @@ class ExitHead(nn.Module):
             self.vocab_ids = torch.as_tensor(ids, dtype=torch.long, device=self.split.device).unique()
         self._trim_lm = None
 
+    @property
+    def draft_weights(self) -> str:
+        """The type the head's own matrices draft with (part of what its measured costs are valid for)."""
+        return "float32"
+
     def prepare(self) -> None:
         """Build what drafting uses (the trimmed LM rows, packed or quantized weights) ahead of the first draft."""
         if len(self.vocab_ids) and self._trim_lm is None:
