@@ -32,8 +32,6 @@ from torch import nn
 from selfspec.kernels.linear import MAX_GEMV_ROWS, PackedLinear, cpu_extension, pack_linear
 
 _GEMMA_NORMS = ("Gemma3RMSNorm",)
-FUSED_ATTENTION_ROWS = 16  # causal queries up to which ops.attention beats SDPA (lanes = query rows of a KV head;
-# Qwen 0.5B shapes, context 256, 2 threads: n=1 13 vs 25 us, n=4 29 vs 62, n=8 56 vs 87, n=16 103 vs 128)
 
 
 class Norm:
@@ -184,9 +182,11 @@ class FastLayer:
         if fused:
             ops = self._fused_ops()
             q = ops.rope_qkv(qkv.contiguous(), *seg.rotary.raw, seg.keys, seg.values, seg.start, hq, hkv)
-            # measured: the fused op wins up to 16 queries. Its rows never depend on each other, so a verification
-            # block gives bitwise the rows of single steps (the int8 mode relies on it: every causal block takes it).
-            if seg.causal and (n <= FUSED_ATTENTION_ROWS or self.qkv.int8):
+            # Every causal block here (at most MAX_GEMV_ROWS queries) takes the fused op: measured faster than SDPA up
+            # to 16 queries (Qwen 0.5B shapes, context 256, 2 threads: n=1 13 vs 25 us, n=4 29 vs 62, n=16 103 vs
+            # 128). Its rows never depend on each other, so a verification block gives bitwise the rows of single
+            # steps (the int8 mode relies on it).
+            if seg.causal:
                 return ops.attention(q, seg.keys, seg.values, seg.start, self.window, self.scaling)
             return self._sdpa(q, seg.keys, seg.values, seg.start + n, seg.mask)
         heads = qkv.view(b, n, hq + 2 * hkv, d)
