@@ -234,6 +234,19 @@ def save_trained(head: DeepContextHead, split: SplitModel, vocab_ids: torch.Tens
     (out / "train_report.json").write_text(json.dumps(report | {"history": history}, indent=1))
 
 
+def label_order(labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token ids ``# [vocab]`` by how often the target chose them (``labels # [T]``), most frequent first: the
+    draft vocabulary (VocabTrim) is a prefix of this order."""
+    return torch.bincount(labels.long(), minlength=vocab_size).argsort(descending=True)
+
+
+def vocab_label_map(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token id -> its index in ``vocab_ids`` ``# [N]``, -100 (not trained) for every other id."""
+    label_map = torch.full((vocab_size,), -100, dtype=torch.long)
+    label_map[vocab_ids] = torch.arange(len(vocab_ids))
+    return label_map
+
+
 def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContextHead, dict[str, Any]]:
     key = f"h{cfg.exit_layer}"
     train = load_features(cfg.features, [key, "final"], cfg.max_tokens)
@@ -253,14 +266,12 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
             raise InvalidConfigError(f"--init '{cfg.init}' is a '{start.kind}' head, not a deep one")
         head.load_state_dict({k: v for k, v in start.state_dict().items() if k != "vocab_ids"}, strict=False)
     head.float().train().requires_grad_(True)
-    labels = train.tensors["label"].long()
     vocab_ids, label_map = None, None
     if cfg.vocab_trim > 0:
-        vocab_ids = torch.bincount(labels, minlength=split.vocab_size).argsort(descending=True)[: cfg.vocab_trim]
-        label_map = torch.full((split.vocab_size,), -100, dtype=torch.long)
-        label_map[vocab_ids] = torch.arange(len(vocab_ids))
-    lm_rows = split.lm_head.weight.detach().float()
-    lm_rows = lm_rows[vocab_ids] if vocab_ids is not None else lm_rows
+        vocab_ids = label_order(train.tensors["label"], split.vocab_size)[: cfg.vocab_trim]
+        label_map = vocab_label_map(vocab_ids, split.vocab_size)
+    # only the kept rows (a quantized LM head dequantizes just those)
+    lm_rows = split.lm_rows(vocab_ids) if vocab_ids is not None else split.lm_head.weight.detach().float()
     ckpt = out.with_name(out.name + ".checkpoint.pt")  # beside the head: saving the head replaces its directory
     step, history = resume(head, ckpt, cfg)
     before = ({d: evaluate_deep(head, lm_rows, fs, cfg, label_map) for d, fs in held_sets.items()}

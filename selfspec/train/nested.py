@@ -31,9 +31,11 @@ from selfspec.train.deep import (
     _collate,
     deep_loss,
     evaluate_deep,
+    label_order,
     resume,
     save_trained,
     train_steps,
+    vocab_label_map,
 )
 from selfspec.train.features import load_features
 
@@ -121,14 +123,9 @@ def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[Nested
         vocab_ids = start.vocab_ids if len(start.vocab_ids) else None
     head.float().train().requires_grad_(True)
     if vocab_ids is None and cfg.vocab_trim > 0:
-        labels = train.tensors["label"].long()
-        vocab_ids = torch.bincount(labels, minlength=split.vocab_size).argsort(descending=True)[: cfg.vocab_trim]
-    label_map = None
-    if vocab_ids is not None:
-        label_map = torch.full((split.vocab_size,), -100, dtype=torch.long)
-        label_map[vocab_ids] = torch.arange(len(vocab_ids))
-    lm_rows = split.lm_head.weight.detach().float()
-    lm_rows = lm_rows[vocab_ids] if vocab_ids is not None else lm_rows
+        vocab_ids = label_order(train.tensors["label"], split.vocab_size)[: cfg.vocab_trim]
+    label_map = vocab_label_map(vocab_ids, split.vocab_size) if vocab_ids is not None else None
+    lm_rows = split.lm_rows(vocab_ids) if vocab_ids is not None else split.lm_head.weight.detach().float()
 
     def evaluate() -> dict[str, dict[int, dict[str, float]]]:
         return {name: {d: evaluate_deep(DepthView(head, d), lm_rows, fs, replace(cfg, exit_layer=d), label_map)

@@ -43,7 +43,7 @@ from selfspec.memory import trim_heap
 from selfspec.progress import progress
 from selfspec.train.answers import AnswerConfig, answer_prompts
 from selfspec.train.cli import eval_draft
-from selfspec.train.deep import DeepTrainConfig, evaluate_deep, train_deep_head
+from selfspec.train.deep import DeepTrainConfig, evaluate_deep, label_order, train_deep_head, vocab_label_map
 from selfspec.train.features import FeatureConfig, collect_features, load_features
 from selfspec.train.sharegpt import iter_records
 
@@ -126,19 +126,15 @@ def _features(ss: SelfSpec, run: Run, source: str, split: str, out: str, **kw: A
     return {k: rep[k] for k in ("conversations", "tokens", "seconds")}
 
 
-def frequency_order(features: str, vocab_size: int) -> torch.Tensor:
-    """Token ids by how often the target chose them in the training features, most frequent first (the order
-    train-deep's draft vocabulary takes them in)."""
-    labels = load_features(features, ["label"]).tensors["label"].long()
-    return torch.bincount(labels, minlength=vocab_size).argsort(descending=True)
-
-
 def size_vocab(ss: SelfSpec, head_dir: str, train_cfg: DeepTrainConfig, sizes: list[int]) -> dict[str, Any]:
     """VocabTrim by measurement: for each size N, the trained head's held-out top-1 over the N most frequent
     ids (teacher-forced, first position and reading its own features) and the measured cost of one head call
     with N output rows; the predicted speed-up of the best chain under the measured forward costs."""
     split, k = ss.split, train_cfg.exit_layer
-    order = frequency_order(train_cfg.features, split.vocab_size)
+    # the order train-deep took its draft vocabulary in (the same labels, the same function)
+    order = label_order(load_features(train_cfg.features, ["label"]).tensors["label"], split.vocab_size)
+    with torch.no_grad():
+        all_rows = split.lm_rows(order[: sizes[-1]])  # [largest size, hidden], each size a prefix
     held = load_features(train_cfg.heldout_features.split(",")[0], [f"h{k}", "final"])
     head = load_head(head_dir, split)
     if not isinstance(head, DeepContextHead):
@@ -148,11 +144,7 @@ def size_vocab(ss: SelfSpec, head_dir: str, train_cfg: DeepTrainConfig, sizes: l
     rows = []
     for n in progress(sizes, desc="vocab sizes", unit="size"):
         ids = order[:n]
-        label_map = torch.full((split.vocab_size,), -100, dtype=torch.long)
-        label_map[ids] = torch.arange(n)
-        with torch.no_grad():
-            lm_rows = split.lm_head.weight.detach().float()[ids]
-        acc = evaluate_deep(head, lm_rows, held, train_cfg, label_map)
+        acc = evaluate_deep(head, all_rows[:n], held, train_cfg, vocab_label_map(ids, split.vocab_size))
         head.trim_vocab(ids)
         with torch.inference_mode():  # the decoding path (packed kernels), as the engine drafts
             t_head = statistics.median(time_head(head, split, reps=10) for _ in range(3))
