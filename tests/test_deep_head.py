@@ -12,12 +12,14 @@ from test_engine_equality import NEW, prompt_of
 from selfspec import DraftConfig, SelfSpec
 from selfspec.drafting.policies import make_policy
 from selfspec.heads.io import new_head
+from selfspec.quant.convert import quantize_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def deep_ss(arch: str, k: int, gamma: int | None = 3, lookup: int = 0, seed: int = 0) -> tuple[SelfSpec, object]:
-    model = tiny_model(arch)
+def deep_ss(arch: str, k: int, gamma: int | None = 3, lookup: int = 0, seed: int = 0,
+            quantize: str | None = None) -> tuple[SelfSpec, object]:
+    model = tiny_model(arch) if quantize is None else quantize_model(tiny_model(arch), quantize)
     ss = SelfSpec(model, None)
     head = new_head("deep", ss.split, k)
     head.init_from_target()
@@ -45,6 +47,26 @@ def test_deep_head_is_lossless(arch):
                 drafted += sum(out.stats.proposed_per_position)
                 accepted += sum(out.stats.accepted_per_position)
     assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deep_head_on_a_quantized_target_drafts_with_q8_and_is_lossless(arch):
+    """On a block-quantized target the head's decoder layer drafts with Q8_0 weights: drafts change, output does
+    not (greedy equals transformers' generate on the quantized model, chains and a tree)."""
+    ss, head = deep_ss(arch, 2, quantize="Q4_0")
+    assert head.draft_weights == "Q8_0"
+    head.prepare()
+    assert head._fast is not None and head._fast[1].qkv.path == "selfspec-quant"  # the block's packed weights
+    prompt = prompt_of(9, 11)
+    ref = hf_greedy(ss.model, prompt, NEW)
+    drafted = 0
+    for policy, width in (("fixed", 0), ("confidence", 0), ("fixed", 2)):
+        ss.engine.drafter.policy = make_policy(policy, 0.1)
+        ss.engine.tree_width = width
+        out = ss.generate(prompt, max_new_tokens=NEW)
+        assert out.token_ids == ref, (policy, width)
+        drafted += sum(out.stats.proposed_per_position)
+    assert drafted > 0
 
 
 @pytest.mark.parametrize("lookup", [0, 4])
