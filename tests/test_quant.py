@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
 
+from selfspec.kernels.build import built_extension
+from selfspec.quant import weight
 from selfspec.quant.formats import FORMATS, UnsupportedQuantError, check_type, decode, reference_values
-from selfspec.quant.weight import QuantWeight
+from selfspec.quant.weight import GEMM_ROWS, QuantWeight
 
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf-py quantizes these
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]  # random blocks with finite scales
@@ -50,9 +52,10 @@ def test_decode_is_gguf_dequantize_bit_for_bit(type_name):
 
 
 @pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 40, 64])
-def test_kernel_matches_dequantize_linear(type_name, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 40, 64, GEMM_ROWS, GEMM_ROWS + 37])
+def test_kernel_matches_dequantize_linear(type_name, rows, monkeypatch):
     n, k = 53, 256 * 3  # an odd N (padding rows), K of three super-blocks
+    monkeypatch.setattr(weight, "GEMM_TILE", k * 16 * 2)  # a prefill's GEMM in tiles of two blocks (32 rows)
     raw = random_tensor(type_name, n, k, seed=rows)
     qw = QuantWeight.from_gguf(raw, type_name, k)
     w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
@@ -69,6 +72,16 @@ def test_kernel_matches_dequantize_linear(type_name, rows):
     qw.matmul(x, out[:, 2 : 2 + n], None, accumulate=True)
     want2 = want + F.linear(x.double(), w.double())
     assert ((out[:, 2 : 2 + n].double() - want2).abs() <= 2 * bound + 1e-6 * want.abs()).all()
+
+
+@pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
+def test_prefill_tiles_are_the_dequantized_weights_bit_for_bit(type_name):
+    """The GEMM path's tiles (W^T of blocks [b0, b1)) hold exactly the values rows() gives (gguf-py's)."""
+    qw = QuantWeight.from_gguf(random_tensor(type_name, 53, 512, seed=3), type_name, 512)
+    tile = built_extension().qdense_t(*qw._args(), 1, 4, torch.empty(512, 48))
+    assert torch.equal(tile[:, :37].t(), qw.rows(torch.arange(16, 53)))
+    with pytest.raises(RuntimeError, match="out of range"):
+        built_extension().qdense_t(*qw._args(), 2, 5, torch.empty(512, 48))
 
 
 def test_select_and_concat_keep_rows():

@@ -22,6 +22,8 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
                          int64_t bits, int64_t group, double z, torch::Tensor bias, torch::Tensor out,
                          bool accumulate);  // quant.cpp
 bool qlinear_i8_vnni();  // quant.cpp
+torch::Tensor qdense_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
+                       double z, int64_t b0, int64_t b1, torch::Tensor out);  // quant.cpp
 torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
                        double z, torch::Tensor ids, torch::Tensor out);  // quant.cpp
 
@@ -271,4 +273,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_i8", &qlinear_i8, "qlinear with activations rounded to 8 bits per group (int8 numerics)", nogil);
   m.def("qlinear_i8_vnni", &qlinear_i8_vnni, "whether qlinear_i8 uses AVX-512 VNNI");
   m.def("qdequant", &qdequant, "rows of a block-quantized packed weight as float32", nogil);
+  m.def("qdense_t", &qdense_t, "blocks of a block-quantized packed weight as float32, transposed [K, rows]", nogil);
 }

@@ -124,20 +124,26 @@ inline void column_pair(const uint8_t* c, int64_t g, int k, int h, vi& q0, vi& q
 // The weights of columns k, k + 1 of one group (16 rows each), multiplied into MC x-rows' sums a and b.
 // c = o, or z * s (exact: z is a power of two); w = q * s - c in one rounding, which is the two-step value
 // since q * s is exact for these types; 6-bit codes (Q6_K, where q * s may round) keep (q - z) * s.
+template <int BITS>
+inline void column_pair_weights(const uint8_t* __restrict cg, int64_t g, int k, int h, vf s, vf c, vf zv, vf& w0,
+                                vf& w1) {
+  vi q0, q1;
+  column_pair<BITS>(cg, g, k, h, q0, q1);
+  if constexpr (BITS == 6) {
+    w0 = (__builtin_convertvector(q0, vf) - zv) * s;
+    w1 = (__builtin_convertvector(q1, vf) - zv) * s;
+  } else {
+    w0 = fma(__builtin_convertvector(q0, vf), s, -c);
+    w1 = fma(__builtin_convertvector(q1, vf), s, -c);
+  }
+}
+
 template <int BITS, int MC>
 inline void column_pair_madd(const uint8_t* __restrict cg, int64_t g, int k, const vf* s, const vf* c, vf zv,
                              const float* __restrict xj, int64_t ldx, vf (*a)[NV], vf (*b)[NV]) {
   for (int h = 0; h < NV; ++h) {
-    vi q0, q1;
-    column_pair<BITS>(cg, g, k, h, q0, q1);
     vf w0, w1;
-    if constexpr (BITS == 6) {
-      w0 = (__builtin_convertvector(q0, vf) - zv) * s[h];
-      w1 = (__builtin_convertvector(q1, vf) - zv) * s[h];
-    } else {
-      w0 = fma(__builtin_convertvector(q0, vf), s[h], -c[h]);
-      w1 = fma(__builtin_convertvector(q1, vf), s[h], -c[h]);
-    }
+    column_pair_weights<BITS>(cg, g, k, h, s[h], c[h], zv, w0, w1);
     for (int m = 0; m < MC; ++m) {
       a[m][h] = fma(w0, bcast(xj[m * ldx + k]), a[m][h]);
       b[m][h] = fma(w1, bcast(xj[m * ldx + k + 1]), b[m][h]);
@@ -528,5 +534,54 @@ torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
       }
     }
   }
+  return out;
+}
+
+// ---- prefill: many rows of x go through torch's GEMM on dequantized tiles (selfspec/quant/weight.py) ---------
+namespace {
+
+template <int BITS, bool OFF>
+void dense_t(const uint8_t* codes, const float* sc, const float* of, int64_t G, int64_t g, float z, int64_t b0,
+             int64_t b1, float* out) {
+  const int64_t CB = group_bytes(BITS, g), ldo = (b1 - b0) * L;
+  const vf zv = bcast(z);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t j = 0; j < G; ++j) {
+      const uint8_t* cg = codes + (b * G + j) * CB;
+      float* o = out + j * g * ldo + (b - b0) * L;
+      for (int h = 0; h < NV; ++h) {
+        const vf s = loadf(sc + (b * G + j) * L + VL * h);
+        const vf c = OFF ? loadf(of + (b * G + j) * L + VL * h) : zv * s;
+        for (int k = 0; k < g; k += 2) {
+          vf w0, w1;
+          column_pair_weights<BITS>(cg, g, k, h, s, c, zv, w0, w1);
+          std::memcpy(o + k * ldo + VL * h, &w0, sizeof(vf));
+          std::memcpy(o + (k + 1) * ldo + VL * h, &w1, sizeof(vf));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// Blocks [b0, b1) of the packed weight (output rows 16 b0 .. 16 b1 - 1) dequantized and transposed: out [K, 16 (b1 - b0)]
+// float32, column n holding output row 16 b0 + n. The kernel's own weights (the same formula, so gguf-py's values bit
+// for bit, as qdequant), for x @ out as one GEMM when many rows of x share them (a prefill).
+torch::Tensor qdense_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
+                       double z, int64_t b0, int64_t b1, torch::Tensor out) {
+  check_packed(codes, scales, offsets, bits, group);
+  const int64_t NB = codes.size(0), G = codes.size(1);
+  TORCH_CHECK(0 <= b0 && b0 < b1 && b1 <= NB, "blocks [", b0, ", ", b1, ") out of range [0, ", NB, ")");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == G * group && out.size(1) == (b1 - b0) * L && out.is_contiguous() &&
+                  out.scalar_type() == torch::kFloat,
+              "out: [K, 16 (b1 - b0)] float32 contiguous");
+  const bool off = offsets.numel() > 0;
+  dispatch(bits, off, [&](auto B, auto O) {
+    dense_t<decltype(B)::value, decltype(O)::value>(codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                                                    off ? offsets.data_ptr<float>() : nullptr, G, group, (float)z,
+                                                    b0, b1, out.data_ptr<float>());
+  });
   return out;
 }
