@@ -56,6 +56,7 @@ def test_decode_is_gguf_dequantize_bit_for_bit(type_name):
 def test_kernel_matches_dequantize_linear(type_name, rows, monkeypatch):
     n, k = 53, 256 * 3  # an odd N (padding rows), K of three super-blocks
     monkeypatch.setattr(weight, "GEMM_TILE", k * 16 * 2)  # a prefill's GEMM in tiles of two blocks (32 rows)
+    monkeypatch.setattr(weight, "_gemm_rows", GEMM_ROWS)  # the GEMM path whatever this machine measured
     raw = random_tensor(type_name, n, k, seed=rows)
     qw = QuantWeight.from_gguf(raw, type_name, k)
     w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
@@ -82,6 +83,18 @@ def test_prefill_tiles_are_the_dequantized_weights_bit_for_bit(type_name):
     assert torch.equal(tile[:, :37].t(), qw.rows(torch.arange(16, 53)))
     with pytest.raises(RuntimeError, match="out of range"):
         built_extension().qdense_t(*qw._args(), 2, 5, torch.empty(512, 48))
+
+
+def test_gemm_rows_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(weight, "_gemm_rows", None)
+    first = weight.gemm_rows()
+    assert first in (GEMM_ROWS, 1 << 62)
+    entry = next((tmp_path / "prefill").glob("*.json"))
+    assert '"kernel_ms"' in entry.read_text()
+    monkeypatch.setattr(weight, "_gemm_rows", None)
+    entry.write_text('{"gemm_rows": 777}')  # read back, not measured again
+    assert weight.gemm_rows() == 777
 
 
 def test_select_and_concat_keep_rows():

@@ -25,11 +25,53 @@ from selfspec.quant.formats import FORMATS, Format, decode
 _NO_BIAS = torch.empty(0)
 LANES = 16  # output rows per packed block (one vector register of float32 on AVX-512)
 KERNEL_ROWS = 16  # x-rows per kernel call: the kernel keeps one accumulator per x-row and lane vector
-# From this many x-rows on (a prefill) the float32 mode dequantizes tiles of the weight once and multiplies them
-# with torch's GEMM, instead of decoding every weight again for each 16 rows: 1.3-1.6x faster from 256 rows on
-# an Intel Xeon (2 threads; docs/QUANTIZED.md). Same weights, so the same target; the int8 mode keeps its kernel.
+# From this many x-rows on (a prefill) the float32 mode may dequantize tiles of the weight once and multiply them
+# with torch's GEMM instead of decoding every weight again for each 16 rows: 1.3-1.6x faster from 256 rows on an
+# Intel Xeon, while on an AMD Zen 5 the kernel beat torch's GEMM. So which one runs is measured once per machine
+# (``gemm_rows``). Same weights either way, so the same target; the int8 mode keeps its kernel.
 GEMM_ROWS = 128
 GEMM_TILE = 1 << 20  # float32 weights per dequantized tile (4 MB: stays in cache while the GEMM reads it)
+PROBE = ("Q4_0", 4096, 1024, 256)  # the probe: type, N, K, x-rows
+_gemm_rows: int | None = None  # this process's answer (tests may set it)
+
+
+def gemm_rows() -> int:
+    """From how many x-rows ``matmul`` takes the GEMM path on this machine: GEMM_ROWS when dequantized tiles
+    + torch's GEMM beat the kernel on the PROBE weight, else never (a huge number). Measured once per machine
+    (its CPU, torch, thread count and kernels; ~0.2 s) and cached in ``cache_root()/prefill``."""
+    global _gemm_rows
+    if _gemm_rows is None:
+        _gemm_rows = _measured_gemm_rows()
+    return _gemm_rows
+
+
+def _measured_gemm_rows() -> int:
+    import hashlib
+    import json
+
+    from selfspec.costs import time_call
+    from selfspec.kernels.build import cpu_flags, kernel_source_hash
+    from selfspec.paths import atomic_write_text, cache_root
+
+    key = json.dumps([cpu_flags(), torch.__version__, torch.get_num_threads(), kernel_source_hash(), PROBE])
+    path = cache_root() / "prefill" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        return int(json.loads(path.read_text())["gemm_rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    type_name, n, k, rows = PROBE
+    fmt = FORMATS[type_name]
+    rng = np.random.default_rng(0)
+    w = QuantWeight.from_codes(type_name, rng.integers(0, 1 << fmt.bits, (n, k), dtype=np.uint8),
+                               rng.random((n, k // fmt.group), dtype=np.float32), None)
+    x, out = torch.randn(rows, k), torch.empty(rows, n)
+    with torch.inference_mode():
+        t_kernel = time_call(lambda: w._kernel_rows(x, out, None, False), reps=5, warmup=1)
+        t_gemm = time_call(lambda: w._gemm(x, out, None, False), reps=5, warmup=1)
+    answer = GEMM_ROWS if t_gemm < t_kernel else 1 << 62
+    atomic_write_text(path, json.dumps({"gemm_rows": answer, "kernel_ms": t_kernel * 1e3, "gemm_ms": t_gemm * 1e3,
+                                        "probe": PROBE}))
+    return answer
 
 
 def _pack_codes(codes: np.ndarray, fmt: Format) -> np.ndarray:  # [N_pad, K] -> [N_pad / 16, G, CB]
@@ -113,10 +155,16 @@ class QuantWeight:
     def matmul(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
                accumulate: bool = False) -> torch.Tensor:
         """``out`` ``# [M, >= N]`` (a column slice of a wider output is fine) = or += ``x`` ``# [M, K]`` @ W^T
-        (+ bias), 16 rows of x per kernel call."""
-        ext = built_extension()
-        if x.shape[0] >= GEMM_ROWS and not self.int8:
+        (+ bias): 16 rows of x per kernel call, or from GEMM_ROWS rows on dequantized tiles through torch's GEMM
+        where that is faster on this machine (``gemm_rows``)."""
+        if x.shape[0] >= GEMM_ROWS and not self.int8 and x.shape[0] >= gemm_rows():
             return self._gemm(x, out, bias, accumulate)
+        return self._kernel_rows(x, out, bias, accumulate)
+
+    def _kernel_rows(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+                     accumulate: bool) -> torch.Tensor:
+        """``matmul`` through the kernel, 16 rows of x per call."""
+        ext = built_extension()
         b = bias if bias is not None else _NO_BIAS
         kernel = ext.qlinear_i8 if self.int8 else ext.qlinear
         if x.shape[0] <= KERNEL_ROWS:  # a decoding step: no slicing (each slice is an op on the hot path)
