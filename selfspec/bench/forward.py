@@ -38,13 +38,14 @@ import torch
 from selfspec.api import SelfSpec
 from selfspec.bench.specbench import machine_info
 from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
-from selfspec.costs import time_call, time_head, time_layers
+from selfspec.costs import time_head, time_layers
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import bundled_head_dir, read_head_config
 from selfspec.memory import file_mappings, resident_mb
 from selfspec.models.cache import KVCache
 from selfspec.models.split import BACKENDS, SplitModel
 from selfspec.progress import progress
+from selfspec.timing import time_call
 
 FORMAT = "selfspec-bench-forward/1"
 RANGES = ("full", "shallow", "deep", "head")

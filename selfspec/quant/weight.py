@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +24,7 @@ import torch
 from selfspec.kernels.build import built_extension, cpu_flags, kernel_source_hash
 from selfspec.paths import atomic_write_text, cache_root
 from selfspec.quant.formats import FORMATS, Format, decode
+from selfspec.timing import time_call
 
 _NO_BIAS = torch.empty(0)
 LANES = 16  # output rows per packed block (one vector register of float32 on AVX-512)
@@ -50,17 +49,6 @@ def gemm_rows() -> int:
     return _gemm_rows
 
 
-def _best_time(fn: Callable[[], object], reps: int = 5) -> float:
-    """The fastest of ``reps`` timings of ``fn()`` after one warm-up call, in seconds."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def _measured_gemm_rows() -> int:
     key = json.dumps([cpu_flags(), torch.__version__, torch.get_num_threads(), kernel_source_hash(), PROBE])
     path = cache_root() / "prefill" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
@@ -75,8 +63,8 @@ def _measured_gemm_rows() -> int:
                                rng.random((n, k // fmt.group), dtype=np.float32), None)
     x, out = torch.randn(rows, k), torch.empty(rows, n)
     with torch.inference_mode():
-        t_kernel = _best_time(lambda: w._kernel_rows(x, out, None, False))
-        t_gemm = _best_time(lambda: w._gemm(x, out, None, False))
+        t_kernel = time_call(lambda: w._kernel_rows(x, out, None, False), reps=5, warmup=1, quantile=0.0)
+        t_gemm = time_call(lambda: w._gemm(x, out, None, False), reps=5, warmup=1, quantile=0.0)
     answer = GEMM_ROWS if t_gemm < t_kernel else 1 << 62
     atomic_write_text(path, json.dumps({"gemm_rows": answer, "kernel_ms": t_kernel * 1e3, "gemm_ms": t_gemm * 1e3,
                                         "probe": PROBE}))

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
-from selfspec.costs import time_call
 from selfspec.errors import ModelNotFoundError
 from selfspec.heads.io import check_exit_layer, new_head
 from selfspec.models.split import SplitModel
 from selfspec.progress import progress
+from selfspec.timing import time_call
 from selfspec.train.cli import load_target
 from selfspec.train.data import read_sequences
 from selfspec.train.trainer import Features, TrainConfig, evaluate, split_heldout, train_head
