@@ -14,10 +14,11 @@ from test_quant import random_tensor
 from selfspec import DraftConfig, SelfSpec
 from selfspec.config import ModelConfig
 from selfspec.errors import InvalidConfigError, ModelNotFoundError
+from selfspec.quant import weight
 from selfspec.quant.convert import QUANTIZE_TYPES, quantize_model
 from selfspec.quant.modules import QuantEmbedding, QuantLinear
 from selfspec.quant.store import assemble, empty_model
-from selfspec.quant.weight import QuantWeight
+from selfspec.quant.weight import GEMM_ROWS, QuantWeight
 
 NEW = 20
 
@@ -54,19 +55,27 @@ def k_quant_model(type_name: str):
 
 
 def check_lossless(model, trees: bool = True) -> None:
+    """A short prompt (the kernels' prefill) and one past GEMM_ROWS (the GEMM prefill, forced on whatever this
+    machine measured): plain and speculative decoding equal transformers' greedy generate."""
     ss = SelfSpec(model, None)
     assert ss.split.kernel == "selfspec-quant"
-    prompt = prompt_of(9, 1)
-    ref = hf_greedy(model, prompt, NEW)  # transformers' forward over the dequantized weights
-    assert ss.generate(prompt, method="plain", max_new_tokens=NEW).token_ids == ref
-    for k in (1, LAYERS - 1):
-        for gamma, tree in ((3, 0), (5, 3 if trees else 0)):
-            ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=gamma, policy="fixed", tree_width=tree))
-            assert ss.generate(prompt, max_new_tokens=NEW).token_ids == ref, (k, gamma, tree)
+    for prompt in (prompt_of(9, 1), prompt_of(GEMM_ROWS + 21, 4)):
+        ref = hf_greedy(model, prompt, NEW)  # transformers' forward over the dequantized weights
+        assert ss.generate(prompt, method="plain", max_new_tokens=NEW).token_ids == ref, len(prompt)
+        for k in (1, LAYERS - 1):
+            for gamma, tree in ((3, 0), (5, 3 if trees else 0)):
+                ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=gamma, policy="fixed", tree_width=tree))
+                assert ss.generate(prompt, max_new_tokens=NEW).token_ids == ref, (len(prompt), k, gamma, tree)
+
+
+@pytest.fixture
+def gemm_prefill(monkeypatch):
+    """Prefills of GEMM_ROWS rows or more take the GEMM path, whatever this machine measured."""
+    monkeypatch.setattr(weight, "_gemm_rows", GEMM_ROWS)
 
 
 @pytest.mark.parametrize("type_name", QUANTIZE_TYPES)
-def test_every_legacy_type_is_lossless(type_name, one_thread):
+def test_every_legacy_type_is_lossless(type_name, one_thread, gemm_prefill):
     model = quantize_model(tiny_model("llama"), type_name)
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
     assert isinstance(model.model.embed_tokens, QuantEmbedding)
@@ -74,14 +83,14 @@ def test_every_legacy_type_is_lossless(type_name, one_thread):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
-def test_every_k_quant_is_lossless(type_name, one_thread):
+def test_every_k_quant_is_lossless(type_name, one_thread, gemm_prefill):
     model = k_quant_model(type_name)
     assert model.model.layers[1].mlp.down_proj.qweight.type_name == type_name
     check_lossless(model, trees=False)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_architecture_quantized_is_lossless(arch, one_thread):
+def test_every_architecture_quantized_is_lossless(arch, one_thread, gemm_prefill):
     check_lossless(quantize_model(tiny_model(arch), "Q4_0" if arch != "phi3" else "Q8_0"))
 
 
