@@ -5,6 +5,8 @@ resumes and saves a head the engine loads and decodes with losslessly."""
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -192,3 +194,13 @@ def test_train_recipe_end_to_end_resumes_and_its_head_decodes_losslessly(sharegp
     again = train_recipe(ss, cfg)  # resumed: every stage recorded, nothing run again
     assert again["stages"] == report["stages"] and again["vocab"] == report["vocab"]
     assert json.loads((tmp_path / "run" / "recipe.json").read_text())["stages"] == ledger["stages"]
+
+    # --init: the same data, training resumed from the trained head (its bfloat16 file), not from layer k
+    shutil.copytree(tmp_path / "run", tmp_path / "ft", ignore=shutil.ignore_patterns("trained*", "head", "report.json"))
+    ledger["stages"] = {k: v for k, v in ledger["stages"].items() if k.startswith(("answers", "features"))}
+    (tmp_path / "ft" / "recipe.json").write_text(json.dumps(ledger))
+    tuned = train_recipe(ss, replace(cfg, out=str(tmp_path / "ft"), init=str(head_dir)))
+    first, second = (list(r["train"]["heldout_sets"].values()) for r in (report, tuned))
+    for a, b in zip(first, second, strict=True):
+        assert abs(b["before"]["top1"] - a["after"]["top1"]) < 0.03  # it starts where the first run ended
+        assert b["before"]["top1"] > a["before"]["top1"] + 0.05

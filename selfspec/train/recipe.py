@@ -71,6 +71,8 @@ class RecipeConfig:
     eval_tokens: int = opt(64, "New tokens per evaluation prompt.")
     lr: float = opt(2e-3, "Peak learning rate of the head's training.")
     seed: int = opt(0, "Seed of the training order and the head's initialization.")
+    init: str = opt("", "Fine-tune this trained deep head (e.g. the bundled one) on the run's data instead of starting "
+                    "from the target's layer k: more data for a head that exists.")
 
     def sizes(self) -> list[int]:
         try:
@@ -213,7 +215,7 @@ def train_recipe(ss: SelfSpec, cfg: RecipeConfig) -> dict[str, Any]:
         features=",".join([run.p("features", "train"), own_train, own_train]),
         heldout_features=",".join([run.p("features", "own-heldout"), run.p("features", "heldout")]),
         exit_layer=cfg.exit_layer, out=run.p("trained"), epochs=4.0, lr=cfg.lr, warmup=20,
-        vocab_trim=sizes[-1], minutes=run.minutes("train"), seed=cfg.seed, checkpoint_every=25)
+        vocab_trim=sizes[-1], minutes=run.minutes("train"), seed=cfg.seed, checkpoint_every=25, init=cfg.init)
 
     def train() -> dict[str, Any]:
         _, rep = train_deep_head(ss.split, train_cfg)
