@@ -13,10 +13,16 @@ import torch
 from conftest import hf_greedy, tiny_model, tiny_tokenizer
 
 from selfspec import DraftConfig, SelfSpec
-from selfspec.errors import InvalidConfigError
+from selfspec.errors import ExitLayerError, InvalidConfigError
 from selfspec.heads.io import load_head
 from selfspec.train.deep import DeepTrainConfig, train_deep_head
-from selfspec.train.features import FeatureConfig, collect_features, encode_conversation, load_features
+from selfspec.train.features import (
+    FeatureConfig,
+    collect_features,
+    encode_conversation,
+    load_exit_features,
+    load_features,
+)
 from selfspec.train.sharegpt import conversations, is_heldout, iter_records, messages_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,6 +110,35 @@ def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_pat
     with pytest.raises(InvalidConfigError, match="not stored"):
         train_deep_head(ss.split, DeepTrainConfig(features=feats.out, heldout_features="", exit_layer=1,
                                                   out=str(tmp_path / "x")))
+
+
+def test_deep_head_at_exit_layer_0_drafts_from_the_embeddings_losslessly(sharegpt_file, tmp_path):
+    """Exit layer 0: the head reads the token embeddings (looked up from the stored ids, no stored h0) and the
+    deep context, so a draft runs no target layer; it learns, fine-tunes from a head at another layer, and
+    decodes losslessly as chains and trees. Other heads still need a layer."""
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
+    feats = FeatureConfig(out=str(tmp_path / "f"), source=str(sharegpt_file), layers="2", max_tokens=96)
+    collect_features(ss.split, ss.tokenizer, feats)
+    fs = load_exit_features(feats.out, 0, ss.split)
+    assert "h0" not in load_features(feats.out).tensors
+    assert torch.equal(fs.tensors["h0"], ss.model.get_input_embeddings()(fs.tensors["ids"].long()).half())
+    cfg = DeepTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=0, out=str(tmp_path / "h0"),
+                          epochs=6, batch_tokens=400, lr=5e-3, warmup=2, vocab_trim=40)
+    head, report = train_deep_head(ss.split, cfg)
+    assert head.exit_layer == 0 and report["heldout_after"]["top1"] > report["heldout_before"]["top1"] + 0.1
+    prompt = ss.encode([{"role": "user", "content": conv(3)["conversations"][0]["value"]}])
+    ref = hf_greedy(ss.model, prompt, 30)
+    for width in (0, 2):
+        ss.set_draft(DraftConfig(head=cfg.out, gamma=3, lookup=0, policy="fixed", tree_width=width))
+        out = ss.generate(prompt, max_new_tokens=30)
+        assert out.token_ids == ref and sum(out.stats.accepted_per_position) > 0, width
+    k2 = DeepTrainConfig(**{**cfg.__dict__, "exit_layer": 2, "out": str(tmp_path / "h2"), "epochs": 1})
+    train_deep_head(ss.split, k2)
+    _, moved = train_deep_head(ss.split, DeepTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "m"), "init": k2.out,
+                                                              "epochs": 1}))
+    assert load_head(tmp_path / "m", ss.split).exit_layer == 0 and moved["steps"] > 0
+    with pytest.raises(ExitLayerError, match="only for a 'deep' head"):
+        ss.set_draft(DraftConfig(head="lm", exit_layer=0))
 
 
 def test_answer_prompts_are_the_targets_greedy_answers_and_resume(sharegpt_file, tmp_path):

@@ -28,17 +28,24 @@ HEAD_KINDS: dict[str, type[ExitHead]] = {
 CONFIG_NAME, WEIGHTS_NAME = "head_config.json", "head.safetensors"
 
 
-def check_exit_layer(exit_layer: int, split: SplitModel) -> None:
-    if not isinstance(exit_layer, int) or not 1 <= exit_layer <= split.num_layers:
+# Heads that may draft from exit layer 0 (the token embeddings, no target layer at all): those that read the
+# deep context f(p - 1), where what the head knows comes from (EAGLE's input: embedding + feature).
+FROM_EMBEDDINGS = ("deep",)
+
+
+def check_exit_layer(exit_layer: int, split: SplitModel, kind: str | None = None) -> None:
+    lowest = 0 if kind in FROM_EMBEDDINGS else 1
+    if not isinstance(exit_layer, int) or not lowest <= exit_layer <= split.num_layers:
         raise ExitLayerError(
             f"exit layer {exit_layer} is out of range: this model has {split.num_layers} layers, "
-            f"so the exit layer must be in 1..{split.num_layers}"
+            f"so the exit layer must be in {lowest}..{split.num_layers}"
+            + (" (0, the embeddings, only for a 'deep' head)" if exit_layer == 0 else "")
         )
 
 
 def new_head(kind: str, split: SplitModel, exit_layer: int, **args: Any) -> ExitHead:
     """A fresh head of ``kind`` ('lm' or one of HEAD_KINDS); ``args`` are the kind's own settings."""
-    check_exit_layer(exit_layer, split)
+    check_exit_layer(exit_layer, split, kind)
     if kind == "lm":
         return LMExitHead(split, exit_layer)
     if kind not in HEAD_KINDS:

