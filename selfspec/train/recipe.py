@@ -271,7 +271,7 @@ def add_parser(sub: Any) -> None:
 
 def cmd_train_recipe(args: Any) -> int:
     cfg = config_from_args(args, RecipeConfig)
-    ss = SelfSpec.load(config_from_args(args, ModelConfig), DraftConfig(head="lm", exit_layer=cfg.exit_layer, gamma=1))
+    ss = SelfSpec.load(config_from_args(args, ModelConfig), DraftConfig(head="lm", exit_layer=max(1, cfg.exit_layer), gamma=1))
     report = train_recipe(ss, cfg)
     ev = report["eval"]
     print(json.dumps({"head": report["head"], "minutes_total": report["minutes_total"],
