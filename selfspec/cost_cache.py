@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from selfspec.costs import DraftCosts, measure_draft_costs, time_layers
-from selfspec.heads.base import ExitHead, model_fingerprint
+from selfspec.heads.base import ExitHead, head_identity, model_fingerprint
 from selfspec.kernels.build import cpu_flags, kernel_source_hash
 from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
@@ -72,14 +72,6 @@ def _quantization(split: SplitModel) -> list[str]:
     return sorted(types)
 
 
-def _head_id(head: ExitHead) -> str:
-    head_id = head.source or head.kind
-    weights = Path(head.source) / "head.safetensors" if head.source else None
-    if weights is not None and weights.is_file():
-        head_id += f"#{weights.stat().st_size}"
-    return head_id
-
-
 def cost_key(split: SplitModel, head: ExitHead, depth: int) -> dict[str, Any]:
     """What the costs of ``head``'s draft at ``depth`` are valid for (the module docstring)."""
     c = split.config
@@ -90,7 +82,7 @@ def cost_key(split: SplitModel, head: ExitHead, depth: int) -> dict[str, Any]:
         "model": {**model_fingerprint(split), "intermediate_size": getattr(c, "intermediate_size", None),
                   "windows": split.windows, "dtype": str(split.dtype), "quantization": _quantization(split),
                   "backend": split.backend, "kernel": split.kernel},
-        "head": {"id": _head_id(head), "kind": head.kind, "params": sum(p.numel() for p in head.parameters()),
+        "head": {"id": head_identity(head), "kind": head.kind, "params": sum(p.numel() for p in head.parameters()),
                  "vocab_drafted": len(head.vocab_ids), "depth": depth,
                  "draft_weights": head.draft_weights},
         "kernels": {"source": kernel_source_hash(), "env": os.environ.get("SELFSPEC_KERNEL", "")},

@@ -34,7 +34,7 @@ from selfspec.costs import DraftCosts, best_gamma, measure_draft_costs
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import FixedPolicy
 from selfspec.engine import MAX_TREE_NODES, Engine
-from selfspec.heads.base import ExitHead, model_fingerprint
+from selfspec.heads.base import ExitHead, head_identity, model_fingerprint
 from selfspec.memory import trim_heap
 from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
@@ -87,9 +87,7 @@ def head_depths(head: ExitHead) -> list[int]:
 
 
 def tuning_key(split: SplitModel, head: ExitHead) -> dict[str, Any]:
-    head_id = head.source or f"{head.kind}@{head.exit_layer}"
-    if head.source and (Path(head.source) / "head.safetensors").is_file():
-        head_id += f"#{(Path(head.source) / 'head.safetensors').stat().st_size}"
+    head_id = head_identity(head)
     weights = round(float(split.lm_rows(torch.arange(4)).double().sum()), 6)  # tells random test models apart
     return {"version": TUNING_VERSION, "model": model_fingerprint(split), "weights": weights, "head": head_id, "kind": head.kind,
             "vocab_drafted": len(head.vocab_ids),

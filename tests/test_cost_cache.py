@@ -132,3 +132,24 @@ def test_a_fixed_draft_neither_measures_nor_checks(monkeypatch):
     monkeypatch.setattr(cost_cache, "plain_step", lambda split: pytest.fail("checked"))
     ss = load(DraftConfig(head="lm", exit_layer=2, gamma=3, policy="confidence"))
     assert ss.cost_cache.log == [] and not entries()
+
+
+def test_a_head_replaced_in_the_same_directory_is_calibrated_again(tmp_path):
+    """The caches know a head by its directory, weights' size and a digest of its head_config.json: a head
+    retrained in place (same architecture, same file size, another exit layer) gets new keys."""
+    from selfspec.cost_cache import cost_key
+    from selfspec.heads.io import load_head, new_head, save_head
+    from selfspec.tuning import tuning_key
+
+    ss = SelfSpec(tiny_model("llama"), None, DRAFT)
+    keys, sizes = [], set()
+    for k in (2, 0):  # the same deep head's shapes at two exit layers, saved into one directory in turn
+        head = new_head("deep", ss.split, k)
+        head.init_from_target()
+        save_head(head, tmp_path / "head")
+        loaded = load_head(tmp_path / "head", ss.split)
+        keys.append((tuning_key(ss.split, loaded), cost_key(ss.split, loaded, 2)))
+        sizes.add((tmp_path / "head" / "head.safetensors").stat().st_size)
+    assert len(sizes) == 1 and keys[0][0] != keys[1][0] and keys[0][1]["head"]["id"] != keys[1][1]["head"]["id"]
+    again = load_head(tmp_path / "head", ss.split)
+    assert tuning_key(ss.split, again) == keys[1][0]  # unchanged head, unchanged key

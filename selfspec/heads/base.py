@@ -15,6 +15,8 @@ with the final-layer states of the verified tokens too, EAGLE-style: ``heads.dee
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +40,22 @@ def model_fingerprint(split: SplitModel) -> dict[str, Any]:
         "num_key_value_heads": split.num_kv_heads,
         "head_dim": split.head_dim,
     }
+
+
+def head_identity(head: Any) -> str:
+    """What tells one trained head from another in the calibration caches: its directory, the weights' size and a
+    digest of its ``head_config.json`` (which records its exit layer, draft vocabulary and training), so a head
+    retrained or replaced in the same directory (a new bundled head) is calibrated again. Without a directory:
+    kind and exit layer."""
+    if not head.source:
+        return f"{head.kind}@{head.exit_layer}"
+    where = Path(head.source)
+    out = str(head.source)
+    if (where / "head.safetensors").is_file():
+        out += f"#{(where / 'head.safetensors').stat().st_size}"
+    if (where / "head_config.json").is_file():
+        out += "#" + hashlib.sha256((where / "head_config.json").read_bytes()).hexdigest()[:12]
+    return out
 
 
 def check_fingerprint(saved: dict[str, Any], split: SplitModel, where: str) -> None:
