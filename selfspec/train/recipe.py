@@ -19,6 +19,8 @@ was cut off; the shares are of ``minutes``):
     head               the head saved (bfloat16 weights) with the report and the calibration's settings
 
 The result: ``<out>/head`` (a head directory: ``--head <out>/head``) and ``<out>/report.json``.
+``--init DIR`` fine-tunes an existing deep head on the run's data instead of starting from layer k (more data
+for a head that exists); ``--exit-layer 0`` trains a head that drafts from the token embeddings alone.
 """
 
 from __future__ import annotations
