@@ -53,21 +53,23 @@ def test_deep_head_is_lossless(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_deep_head_on_a_quantized_target_drafts_with_q8_and_is_lossless(arch):
     """On a block-quantized target the head's decoder layer drafts with Q8_0 weights: drafts change, output does
-    not (greedy equals transformers' generate on the quantized model, chains and a tree)."""
-    ss, head = deep_ss(arch, 2, quantize="Q4_0")
-    assert head.draft_weights == "Q8_0"
-    head.prepare()
-    assert head._fast is not None and head._fast[1].qkv.path == "selfspec-quant"  # the block's packed weights
+    not (greedy equals transformers' generate on the quantized model, chains and a tree). Exit layers 2 and 0
+    (the quantized embeddings straight into the head: the bundled Qwen head's setting)."""
     prompt = prompt_of(9, 11)
-    ref = hf_greedy(ss.model, prompt, NEW)
-    drafted = 0
-    for policy, width in (("fixed", 0), ("confidence", 0), ("fixed", 2)):
-        ss.engine.drafter.policy = make_policy(policy, 0.1)
-        ss.engine.tree_width = width
-        out = ss.generate(prompt, max_new_tokens=NEW)
-        assert out.token_ids == ref, (policy, width)
-        drafted += sum(out.stats.proposed_per_position)
-    assert drafted > 0
+    for k in (2, 0):
+        ss, head = deep_ss(arch, k, quantize="Q4_0")
+        assert head.draft_weights == "Q8_0"
+        head.prepare()
+        assert head._fast is not None and head._fast[1].qkv.path == "selfspec-quant"  # the block's packed weights
+        ref = hf_greedy(ss.model, prompt, NEW)
+        drafted = 0
+        for policy, width in (("fixed", 0), ("confidence", 0), ("fixed", 2)):
+            ss.engine.drafter.policy = make_policy(policy, 0.1)
+            ss.engine.tree_width = width
+            out = ss.generate(prompt, max_new_tokens=NEW)
+            assert out.token_ids == ref, (k, policy, width)
+            drafted += sum(out.stats.proposed_per_position)
+        assert drafted > 0, k
 
 
 @pytest.mark.parametrize("lookup", [0, 4])
