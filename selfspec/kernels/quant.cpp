@@ -81,18 +81,37 @@ inline vi widen(const uint8_t* p) {  // VL bytes -> VL int32 (vpmovzxbd; GCC's g
 #endif
 }
 
-// q plus ``add`` in the lanes (of half h) whose bit is set in the 16-bit plane of column k (one masked add
-// on AVX-512).
-inline vi add_plane(vi q, const uint8_t* planes, int k, int h, int32_t add) {
-  uint16_t bits;
-  std::memcpy(&bits, planes + 2 * k, 2);
+#if !defined(__AVX512F__)
+// AVX2 has no masked add: the 8 lanes of a half get a plane's bits from a table, one row per byte value (lane r of
+// row b holds ADD where bit r of b is set, else 0), so a plane costs one add with its load folded in instead of a
+// broadcast, a lane-bit test and a mask (8 KB per table, L1-resident).
+template <int32_t ADD>
+struct PlaneTable {
+  alignas(32) int32_t v[256][VL];
+  PlaneTable() {
+    for (int b = 0; b < 256; ++b)
+      for (int r = 0; r < VL; ++r) v[b][r] = (b >> r & 1) ? ADD : 0;
+  }
+};
+const PlaneTable<16> plane16;
+const PlaneTable<32> plane32;
+#endif
+
+// q plus ADD in the lanes (of half h) whose bit is set in the 16-bit plane of column k (one masked add on AVX-512,
+// one table row on AVX2).
+template <int32_t ADD>
+inline vi add_plane(vi q, const uint8_t* planes, int k, int h) {
 #if defined(__AVX512F__)
   (void)h;
-  return (vi)_mm512_mask_add_epi32((__m512i)q, (__mmask16)bits, (__m512i)q, _mm512_set1_epi32(add));
+  uint16_t bits;
+  std::memcpy(&bits, planes + 2 * k, 2);
+  return (vi)_mm512_mask_add_epi32((__m512i)q, (__mmask16)bits, (__m512i)q, _mm512_set1_epi32(ADD));
 #else
-  const vi lane_bit = {1, 2, 4, 8, 16, 32, 64, 128};
-  const vi b = vi{} + (int32_t)((bits >> (VL * h)) & 0xFF);
-  return q + (((b & lane_bit) != 0) & add);
+  static_assert(ADD == 16 || ADD == 32, "planes add bit 4 or bit 5");
+  const int32_t* row = (ADD == 16 ? plane16.v : plane32.v)[planes[2 * k + h]];  // byte h: lanes 8h .. 8h + 7
+  vi t;
+  std::memcpy(&t, row, sizeof t);
+  return q + t;
 #endif
 }
 
@@ -111,12 +130,12 @@ inline void column_pair(const uint8_t* c, int64_t g, int k, int h, vi& q0, vi& q
     q0 = q & 15;
     q1 = q >> 4;
     if constexpr (BITS >= 5) {
-      q0 = add_plane(q0, c + g * 8, k, h, 16);
-      q1 = add_plane(q1, c + g * 8, k + 1, h, 16);
+      q0 = add_plane<16>(q0, c + g * 8, k, h);
+      q1 = add_plane<16>(q1, c + g * 8, k + 1, h);
     }
     if constexpr (BITS == 6) {
-      q0 = add_plane(q0, c + g * 10, k, h, 32);
-      q1 = add_plane(q1, c + g * 10, k + 1, h, 32);
+      q0 = add_plane<32>(q0, c + g * 10, k, h);
+      q1 = add_plane<32>(q1, c + g * 10, k + 1, h);
     }
   }
 }
@@ -175,7 +194,7 @@ inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, c
         column_pair_madd<BITS, MC>(cg, g, k, s, c, zv, xj, ldx, a0, a1);
         column_pair_madd<BITS, MC>(cg, g, k + 2, s, c, zv, xj, ldx, a2, a3);
       }
-    } else if constexpr (MCMAX == 8 && MC < 8) {  // two sums per row while registers last (AVX-512)
+    } else if constexpr ((MCMAX == 8 && MC < 8) || (MCMAX == 4 && MC <= 2)) {  // two sums per row while registers last
       for (int k = 0; k < g; k += 2) column_pair_madd<BITS, MC>(cg, g, k, s, c, zv, xj, ldx, a0, a1);
     } else {
       for (int k = 0; k < g; k += 2) column_pair_madd<BITS, MC>(cg, g, k, s, c, zv, xj, ldx, a0, a0);
