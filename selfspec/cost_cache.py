@@ -44,7 +44,7 @@ from selfspec.kernels.build import cpu_flags, kernel_source_hash
 from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
 
-COSTS_VERSION = 1  # bump when measure_draft_costs measures differently (its context, block sizes, reps)
+COSTS_VERSION = 2  # bump when measure_draft_costs measures differently (context, block sizes, reps; 2: monotone)
 CHECK_FACTOR = 1.5  # the load-time plain step may differ this much (either way) from the cached one
 CHECK_CONTEXT = 32  # cached tokens the check's plain step attends to
 CHECK_REPS = 8  # timed steps (the fastest counts) ...

@@ -40,7 +40,7 @@ from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
 from selfspec.progress import progress
 
-TUNING_VERSION = 5
+TUNING_VERSION = 6  # 6: block costs made monotone in n (costs.monotone)
 # short, varied: chat, code, math, extraction, and the kinds where drafts fail (another language, a short fact):
 # a calibration on easy prompts alone promised the Thompson prior an acceptance the translation group never saw
 # (Spec-Bench's own questions are never used to tune)

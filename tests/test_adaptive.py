@@ -296,3 +296,20 @@ def test_tune_command_prints_the_calibration(tmp_path, capsys):
     assert main(["tune", "--model", str(model_dir), "--head", "lm", "--exit-layer", "2"]) == 0
     out = capsys.readouterr().out
     assert "chosen: exit depth 2" in out and "| 2/0 |" in out and "cache:" in out
+
+
+def test_block_costs_are_made_monotone_in_the_block_size(monkeypatch):
+    """A spike in a small block's timing (t(1) above t(2), as seen on a shared AMD Zen 3) is replaced by the least
+    cost of a larger block, so a plain step never looks dearer than a verification block."""
+    from selfspec import costs as costs_mod
+
+    assert costs_mod.monotone({1: 44.4, 2: 37.3, 4: 81.4, 8: 131.3, 16: 296.0}) == {
+        1: 37.3, 2: 37.3, 4: 81.4, 8: 131.3, 16: 296.0}
+    assert costs_mod.monotone({1: 1.0, 2: 2.0}) == {1: 1.0, 2: 2.0}  # already monotone: unchanged
+    spiky = {1: 0.044, 2: 0.037, 4: 0.081}
+    monkeypatch.setattr(costs_mod, "time_layers", lambda split, start, end, n, *a, **k: spiky.get(n, 0.1) if start else 0.001)
+    monkeypatch.setattr(costs_mod, "time_head", lambda *a, **k: 0.002)
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(), DraftConfig(head="lm", exit_layer=1, tune="off"))
+    c = costs_mod.measure_draft_costs(ss.split, ss.head, block_sizes=(1, 2, 4))
+    assert c.t_deep == {1: 0.037, 2: 0.037, 4: 0.081}
+    assert c.t_plain == pytest.approx(0.038)
