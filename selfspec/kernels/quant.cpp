@@ -171,7 +171,7 @@ inline void column_pair_madd(const uint8_t* __restrict cg, int64_t g, int k, con
 }
 
 // MC rows of x (row stride ldx) against one block of 16 output rows: res[MC][16]. Each x-row keeps four
-// (one row), two (up to 7 rows on AVX-512) or one partial sum per vector, so that for few rows the
+// (one row), two (up to 7 rows on AVX-512, 2 on AVX2) or one partial sum per vector, so that for few rows the
 // multiply-adds do not wait on each other.
 template <int BITS, bool OFF, int MC>
 inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, const uint8_t* __restrict codes,
