@@ -45,6 +45,41 @@ def test_fast_logits_match_reference(arch):
             assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.parametrize("weights", ["float32", "Q4_1", "Q4_1-int8"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_step_plan_is_the_fused_python_path_bit_for_bit(arch, weights, monkeypatch):
+    """A causal step of one sequence runs a range of layers as one C++ call (``FastLayer.plan``,
+    ``selfspec/kernels/step.cpp``): its logits equal the per-op Python path's exactly, for every block size up
+    to 16 and every split, over float32, quantized and int8-mode weights. A layout it does not cover (Gemma's
+    sandwich norms) has no plan and keeps the Python path."""
+    from selfspec.quant.convert import quantize_model
+    from selfspec.quant.modules import set_numerics
+
+    model = tiny_model(arch)
+    if weights != "float32":
+        model = quantize_model(model, "Q4_1")
+        if weights.endswith("int8"):
+            set_numerics(model, "int8")
+    split = SplitModel(model, "fast")
+    plans = [layer.plan for layer in split.fast_layers]
+    assert all(p is None for p in plans) if arch == "gemma3_text" else all(p is not None for p in plans)
+    calls = []
+    planned = SplitModel._run_planned
+    monkeypatch.setattr(SplitModel, "_run_planned", lambda self, *a: calls.append(1) or planned(self, *a))
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(2, VOCAB, (1, 60), generator=g)
+    with torch.inference_mode():
+        for cut in (0, 2, LAYERS):
+            a = _forward(split, ids, [1, 2, 4, 16, 3], cut)
+            for layer in split.fast_layers:
+                layer.plan = None
+            b = _forward(split, ids, [1, 2, 4, 16, 3], cut)
+            for layer, plan in zip(split.fast_layers, plans):
+                layer.plan = plan
+            assert torch.equal(a, b), f"{arch} {weights} cut {cut}: max abs {(a - b).abs().max().item():.2e}"
+    assert bool(calls) == (arch != "gemma3_text")
+
+
 def test_unknown_backend_is_a_clear_error():
     from selfspec.errors import InvalidConfigError
 

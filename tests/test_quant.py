@@ -79,10 +79,10 @@ def test_kernel_matches_dequantize_linear(type_name, rows, monkeypatch):
 def test_prefill_tiles_are_the_dequantized_weights_bit_for_bit(type_name):
     """The GEMM path's tiles (W^T of blocks [b0, b1)) hold exactly the values rows() gives (gguf-py's)."""
     qw = QuantWeight.from_gguf(random_tensor(type_name, 53, 512, seed=3), type_name, 512)
-    tile = built_extension().qdense_t(*qw._args(), 1, 4, torch.empty(512, 48))
+    tile = built_extension().qdense_t(*qw.kernel_args(), 1, 4, torch.empty(512, 48))
     assert torch.equal(tile[:, :37].t(), qw.rows(torch.arange(16, 53)))
     with pytest.raises(RuntimeError, match="out of range"):
-        built_extension().qdense_t(*qw._args(), 2, 5, torch.empty(512, 48))
+        built_extension().qdense_t(*qw.kernel_args(), 2, 5, torch.empty(512, 48))
 
 
 def test_gemm_rows_is_measured_once_and_cached(tmp_path, monkeypatch):

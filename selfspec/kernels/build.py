@@ -1,4 +1,4 @@
-"""Building selfspec's CPU kernels (gemv.cpp, quant.cpp, ops.cpp) once per source, torch and CPU.
+"""Building selfspec's CPU kernels (gemv.cpp, quant.cpp, ops.cpp, step.cpp) once per source, torch and CPU.
 
 The extension is compiled with ``-march=native``, so the instruction set is chosen on the machine that
 runs it: AVX-512 (with its 16-row tiles) where the CPU has it, AVX2 otherwise. ``SELFSPEC_ISA=avx2``
@@ -20,7 +20,8 @@ import torch
 
 from selfspec.paths import cache_root
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "quant.cpp", "ops.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "quant.cpp", "ops.cpp", "step.cpp")]
+_HEADERS = [Path(__file__).with_name("kernels.h")]  # part of what the build is made of (its tag), not compiled alone
 
 
 def _isa_flags() -> list[str]:
@@ -57,7 +58,7 @@ def kernel_source_hash() -> str:
     """What the compiled code is made of: the C++ sources and the instruction-set flags (not the folder they
     lie in, nor torch or the CPU: a key that needs those adds them). Measured draft costs are keyed on it
     (``selfspec.cost_cache``)."""
-    src = b"".join(p.read_bytes() for p in _SOURCES)
+    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     return hashlib.sha256(src + " ".join(_isa_flags()).encode()).hexdigest()[:12]
 
 
@@ -66,7 +67,7 @@ def kernel_tag() -> str:
     """The build's tag (its folder ``cache_root()/kernels/cpu-<tag>`` and module name): the sources, their
     folder (ninja records source paths, so two checkouts sharing one build folder would rebuild it in turn),
     torch's version, the CPU's flags and the instruction-set flags."""
-    src = b"".join(p.read_bytes() for p in _SOURCES)
+    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     where = str(_SOURCES[0].parent).encode()
     return hashlib.sha256(src + where + torch.__version__.encode() + cpu_flags().encode()
                           + " ".join(_isa_flags()).encode()).hexdigest()[:12]

@@ -136,6 +136,24 @@ class PackedLinear:
                 part = part if bias is None else part + bias
                 y[:, a:b] = y[:, a:b] + part if accumulate else part
 
+    def kernel_plan(self, ext: Any) -> Any | None:
+        """This linear as the kernel calls a decoding step makes (``ext.Linear`` of ``selfspec/kernels/step.cpp``,
+        the same calls with the same arguments as ``__call__`` for 1-16 rows), or None where it runs off
+        selfspec's kernels (oneDNN, F.linear, a float32 part among quantized ones)."""
+        empty = torch.empty(0)
+        if self._quant is not None:
+            parts = []
+            for w, a, b in self._quant:
+                if not isinstance(w, QuantWeight):
+                    return None
+                bias = self.bias[a:b] if self.bias is not None else empty
+                parts.append(ext.Part(1 if w.int8 else 0, *w.kernel_args(), bias, a, b))
+        elif self._packed is not None:
+            parts = [ext.Part(2, self._packed, empty, empty, 0, 0, 0.0, self._bias_arg, 0, self.out_features)]
+        else:
+            return None
+        return ext.Linear(parts, self.out_features)
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.numel() // self.in_features

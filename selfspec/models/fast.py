@@ -12,7 +12,9 @@ kept for tests and comparison). Same math, fewer and cheaper ops (docs/BENCHMARK
   heads (no repeat of the keys), masks built once per call.
 - on CPU in float32, for the few rows of a decoding step (n <= 16), selfspec's fused C++ ops
   (``selfspec/kernels/ops.cpp``): RMSNorm, rotary + cache write, causal attention over the cache,
-  silu * up, each one call instead of a chain of small torch ops.
+  silu * up, each one call instead of a chain of small torch ops;
+- and for a causal step of one sequence, every layer of a range in one C++ call (``FastLayer.plan``,
+  ``selfspec/kernels/step.cpp``): the same ops in the same order, with no Python between them.
 
 One ``FastLayer`` is built from each transformers decoder layer; its weights are read once (packed
 copies), the module stays untouched. Supported layouts: Llama / Mistral / Qwen2 (q/k/v bias) /
@@ -117,6 +119,24 @@ class FastLayer:
         self.ops = cpu_extension() if self.qkv.path in ("selfspec-cpu", "selfspec-quant") else None
         probe = torch.linspace(-6, 6, 64, dtype=self.qkv.dtype, device=self.qkv.device)
         self.silu = bool(torch.equal(self.act(probe), F.silu(probe)))
+        self.plan = self._step_plan()
+
+    def _step_plan(self) -> Any | None:
+        """The layer as one C++ object (``selfspec/kernels/step.cpp``) that runs a causal step of one sequence
+        (1-16 rows) with the fused path's ops, bit for bit, and no Python between them; None where a layout
+        needs the Python path (Gemma's sandwich norms, a non-SiLU MLP, a linear off selfspec's kernels)."""
+        if self.ops is None or self.sandwich or not self.silu or self.qkv.dtype != torch.float32:
+            return None
+        linears = [lin.kernel_plan(self.ops) for lin in (self.qkv, self.o, self.gate_up, self.down)]
+        if any(lin is None for lin in linears):
+            return None
+        empty = torch.empty(0)
+        qn, kn = self.q_norm, self.k_norm
+        return self.ops.LayerPlan(
+            *linears, self.input_norm.weight, self.input_norm.eps, self.post_attn_norm.weight, self.post_attn_norm.eps,
+            qn.weight if qn else empty, qn.eps if qn else 0.0, kn.weight if kn else empty, kn.eps if kn else 0.0,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.window, self.scaling,
+        )
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int,
               mask: torch.Tensor | None) -> torch.Tensor:  # q [b, n, hq, d] -> [b, n, hq * d]
@@ -146,6 +166,12 @@ class FastLayer:
         for all rows. Updates ``h`` in place and returns it."""
         b, n, _ = h.shape
         fused = self.ops is not None and b * n <= MAX_GEMV_ROWS and h.dtype == torch.float32
+        if (fused and self.plan is not None and len(segments) == 1 and segments[0].causal and segments[0].n == n
+                and h.is_contiguous()):
+            seg = segments[0]  # one causal sequence (a head's block): the layer as one C++ call, the same ops
+            self._fused_ops().run_layers([self.plan], h, [seg.rotary.raw[0]], [seg.rotary.raw[1]], [seg.keys],
+                                         [seg.values], [seg.start])
+            return h
         qkv = self._qkv(h, fused)  # [b, rows, (hq + 2 hkv) d]
         if len(segments) == 1 and segments[0].n == n:
             a = self._attend(qkv, segments[0], fused)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from selfspec.errors import InvalidConfigError, UnsupportedArchitectureError
-from selfspec.kernels.linear import PackedLinear, kernel_name, pack_linear
+from selfspec.kernels.linear import MAX_GEMV_ROWS, PackedLinear, kernel_name, pack_linear
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Norm, Rotary, Segment
 from selfspec.quant.modules import is_quantized, weight_rows
@@ -177,6 +177,10 @@ class SplitModel:
             return [self.run_layers(h, start, end, p, c, t) for h, p, c, t in zip(hs, positions, caches, trees)]
         if start >= end:
             return hs
+        if len(hs) == 1 and trees[0] is None and hs[0].shape[0] * hs[0].shape[1] <= MAX_GEMV_ROWS:
+            plans = [layer.plan for layer in self.fast_layers[start:end]]
+            if hs[0].dtype == torch.float32 and all(p is not None for p in plans):
+                return [self._run_planned(hs[0], start, end, positions[0], caches[0], plans)]
         sizes = [h.shape[1] for h in hs]
         offsets = [sum(sizes[:j]) for j in range(len(sizes))]
         h = torch.cat(hs, dim=1)  # a new tensor: the fast layers update it in place, the callers keep theirs
@@ -196,6 +200,27 @@ class SplitModel:
                                         at, trees[j] is None))
             self.fast_layers[i].forward_segments(h, segments)
         return [h[:, o : o + n] for o, n in zip(offsets, sizes)]
+
+    def _run_planned(self, h: torch.Tensor, start: int, end: int, positions: torch.Tensor, cache: KVCache,
+                     plans: list[Any]) -> torch.Tensor:  # h [1, n, hidden], n <= 16 -> [1, n, hidden]
+        """Layers [start, end) of one sequence's causal step as one C++ call (``selfspec/kernels/step.cpp``): bit for
+        bit ``FastLayer.forward_segments``'s fused path, without Python between the ~10 ops of each layer."""
+        n = h.shape[1]
+        tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        cos, sin, starts = [], [], []
+        for i in range(start, end):
+            kind = self.layer_types[i]
+            if kind not in tables:
+                c, s = self.rotary(h, positions, kind)
+                tables[kind] = (c.contiguous(), s.contiguous())
+            cos.append(tables[kind][0])
+            sin.append(tables[kind][1])
+            starts.append(cache.reserve(i, n))  # first: reserving may grow (reallocate) this layer's buffers
+        out = h.clone(memory_format=torch.contiguous_format)  # updated in place; the caller keeps h
+        ops = self.fast_layers[start].ops
+        assert ops is not None  # a plan exists only where the compiled ops do
+        ops.run_layers(plans, out, cos, sin, cache.keys[start:end], cache.values[start:end], starts)
+        return out
 
     def run_rides(self, rides: list[Ride]) -> list[torch.Tensor]:  # per ride [1, n, hidden] after the last layer
         """Rows of several sequences that enter the model at different layers (a plain step's token at layer 0,

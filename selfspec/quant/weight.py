@@ -145,7 +145,8 @@ class QuantWeight:
             torch.from_numpy(_pack_groups(offsets)) if offsets is not None else torch.empty(0),
         )
 
-    def _args(self) -> tuple:
+    def kernel_args(self) -> tuple:
+        """(codes, scales, offsets, bits, group, zero point): the packed weight as every kernel takes it."""
         f = self.format
         return self.codes, self.scales, self.offsets, f.bits, f.group, float(f.zero)
 
@@ -165,10 +166,10 @@ class QuantWeight:
         b = bias if bias is not None else _NO_BIAS
         kernel = ext.qlinear_i8 if self.int8 else ext.qlinear
         if x.shape[0] <= KERNEL_ROWS:  # a decoding step: no slicing (each slice is an op on the hot path)
-            return kernel(x, *self._args(), b, out, accumulate)
+            return kernel(x, *self.kernel_args(), b, out, accumulate)
         for s in range(0, x.shape[0], KERNEL_ROWS):
             e = min(x.shape[0], s + KERNEL_ROWS)
-            kernel(x[s:e], *self._args(), b, out[s:e], accumulate)
+            kernel(x[s:e], *self.kernel_args(), b, out[s:e], accumulate)
         return out
 
     def _gemm(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
@@ -180,7 +181,7 @@ class QuantWeight:
         for b0 in range(0, blocks, step):
             b1 = min(blocks, b0 + step)
             n0, n1 = b0 * LANES, min(n, b1 * LANES)
-            tile = ext.qdense_t(*self._args(), b0, b1, torch.empty(k, (b1 - b0) * LANES))
+            tile = ext.qdense_t(*self.kernel_args(), b0, b1, torch.empty(k, (b1 - b0) * LANES))
             y = torch.mm(x, tile[:, : n1 - n0])  # [M, n1 - n0]
             if bias is not None:
                 y += bias[n0:n1]
@@ -196,7 +197,7 @@ class QuantWeight:
         out = torch.empty(len(ids), self.shape[1], dtype=torch.float32)
         if (ids >= self.shape[0]).any() or (ids < 0).any():
             raise IndexError(f"row ids must be in [0, {self.shape[0]})")
-        return built_extension().qdequant(*self._args(), ids, out)
+        return built_extension().qdequant(*self.kernel_args(), ids, out)
 
     def dense(self) -> torch.Tensor:
         """The whole matrix in float32 (the reference path; the engine never calls this)."""
