@@ -18,6 +18,8 @@
 #include <torch/extension.h>
 #include <cstring>
 
+#include "kernels.h"
+
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));  // 8 floats: one AVX2 register (half an AVX-512 one)

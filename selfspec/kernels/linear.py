@@ -40,6 +40,10 @@ MAX_GEMV_ROWS = 16  # the custom kernel's row limit (a decoding step, a verifica
 MAX_CHUNKED_ROWS = 64  # up to here, blocks of 16 rows through the kernel beat MKL's sgemm (measured below)
 
 
+# The kinds of kernel call a step plan makes (``Part.kind`` in selfspec/kernels/step.cpp)
+_PART_QUANT, _PART_QUANT_INT8, _PART_FLOAT32 = 0, 1, 2
+
+
 class KernelUnavailableError(SelfSpecError):
     """A weight format that needs selfspec's compiled kernels, where they could not be built."""
 
@@ -147,9 +151,9 @@ class PackedLinear:
                 if not isinstance(w, QuantWeight):
                     return None
                 bias = self.bias[a:b] if self.bias is not None else empty
-                parts.append(ext.Part(1 if w.int8 else 0, *w.kernel_args(), bias, a, b))
+                parts.append(ext.Part(_PART_QUANT_INT8 if w.int8 else _PART_QUANT, *w.kernel_args(), bias, a, b))
         elif self._packed is not None:
-            parts = [ext.Part(2, self._packed, empty, empty, 0, 0, 0.0, self._bias_arg, 0, self.out_features)]
+            parts = [ext.Part(_PART_FLOAT32, self._packed, empty, empty, 0, 0, 0.0, self._bias_arg, 0, self.out_features)]
         else:
             return None
         return ext.Linear(parts, self.out_features)

@@ -37,16 +37,17 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 constexpr int L = 16;  // output rows per block
 #if defined(__AVX512F__)
 constexpr int VL = 16;     // lanes per vector: a block's 16 rows are one register
-constexpr int MCMAX = 8;   // x-rows per tile (16 measured slower: 16 row pointers spill)
 #else
 constexpr int VL = 8;      // AVX2: a block's 16 rows are two registers (halves h = 0, 1)
-constexpr int MCMAX = 8;   // (5-8 rows a half at a time: tile_halves)
 #endif
+constexpr int MCMAX = 8;   // x-rows per tile (16 measured slower on AVX-512: 16 row pointers spill; AVX2: tile_halves)
 constexpr int NV = L / VL;  // vectors per block row
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
@@ -286,7 +287,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float
     const int64_t rows = std::min<int64_t>(L, N - b * L);
     for (int64_t m0 = 0; m0 < M;) {
       const int64_t left = M - m0;
-      const int64_t mc = left >= MCMAX ? MCMAX : (left >= 8 && MCMAX > 8 ? 8 : left);
+      const int64_t mc = std::min<int64_t>(left, MCMAX);
       const float* xm = x + m0 * K;
       switch (mc) {
         case 1: tile<BITS, OFF, 1>(xm, K, G, g, cb, sb, ob, z, res); break;
