@@ -173,6 +173,30 @@ def test_int8_mode_matches_its_reference_and_is_row_independent(type_name):
         assert torch.equal(one[0], out[i])
 
 
+@pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
+def test_int8_mode_integer_sums_at_their_bounds(type_name):
+    """The largest and smallest codes against activations at +-127 in every column: the AVX2 path adds code
+    pairs as int16 before widening (docs/QUANTIZED.md), exact only while those sums stay under 32767; here they
+    reach their bound and must still equal the reference's integers."""
+    fmt = FORMATS[type_name]
+    n, k = 37, 512
+    codes = np.full((n, k), (1 << fmt.bits) - 1, dtype=np.uint8)
+    codes[8:16] = 0  # a half-block of the smallest codes (Q8_0: -128)
+    codes[20:] = np.random.default_rng(1).integers(0, 1 << fmt.bits, (n - 20, k), dtype=np.uint8)
+    scales = np.full((n, k // fmt.group), 0.01, dtype=np.float32)
+    offsets = np.full((n, k // fmt.group), 0.02, dtype=np.float32) if fmt.offset else None
+    qw = QuantWeight.from_codes(type_name, codes, scales, offsets)
+    qw.int8 = True
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, 1::2] = -1.0  # +-127 alternating: pairs cancel, quads do not overflow either way
+    x[3] = torch.randn(k, generator=torch.Generator().manual_seed(2))
+    out = torch.empty(4, n)
+    qw.matmul(x, out)
+    want, size = int8_reference(x, qw)
+    assert ((out.double() - want).abs() <= 1e-6 * size + 1e-6).all()
+
+
 def test_concat_of_consecutive_slices_is_a_view_and_the_store_keeps_runs(tmp_path):
     """Weights that are consecutive row blocks of one tensor fuse without a copy; the packed cache stores the
     projections the fast layers fuse as one tensor and maps each module's weight as a slice of it."""

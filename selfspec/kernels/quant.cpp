@@ -120,6 +120,17 @@ inline int64_t group_bytes(int bits, int64_t g) {
   return bits == 8 ? g * L : g * 8 + (bits - 4) * g * 2;
 }
 
+// Group j + AHEAD's codes, scales (and offsets) on their way to L1 while group j is computed: one row's kernel
+// streams them, and the hardware prefetcher alone left it short of the bandwidth (A/B on a Zen 3, 2 threads: Q8_0
+// at one row +13%, the int8 mode's 4/5-bit codes +5-12% at 1-2 rows, the rest level).
+constexpr int AHEAD = 6;
+template <bool OFF>
+inline void prefetch_group(const uint8_t* codes, int64_t CB, const float* sc, const float* of, int64_t j) {
+  for (int64_t o = 0; o < CB; o += 64) _mm_prefetch((const char*)(codes + (j + AHEAD) * CB + o), _MM_HINT_T0);
+  _mm_prefetch((const char*)(sc + (j + AHEAD) * L), _MM_HINT_T0);
+  if constexpr (OFF) _mm_prefetch((const char*)(of + (j + AHEAD) * L), _MM_HINT_T0);
+}
+
 // The codes of columns k and k + 1 of one group (k even), lanes [VL h, VL h + VL).
 template <int BITS>
 inline void column_pair(const uint8_t* c, int64_t g, int k, int h, vi& q0, vi& q1) {
@@ -219,6 +230,7 @@ inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, c
   const vf zv = bcast(z);
   const int64_t CB = group_bytes(BITS, g);
   for (int64_t j = 0; j < G; ++j) {
+    prefetch_group<OFF>(codes, CB, sc, of, j);
     vf s[NV], c[NV];
     for (int h = 0; h < NV; ++h) {
       s[h] = loadf(sc + j * L + VL * h);
@@ -376,7 +388,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
 // to nearest, ties to even; llama.cpp's Q8 blocks round ties away from zero), so a group's dot product is an exact integer sum of code x code products:
 //     sum_k w_k x_k  ~=  d_x * (s * sum_k q_k qx_k - (z * s + o) * sum_k qx_k)
 // With AVX-512 VNNI one vpdpbusd multiplies 4 columns x 16 rows of unsigned codes by 4 signed activation
-// bytes; elsewhere the same integer sums are formed with int32 vector ops. Every x-row goes through the same
+// bytes; with AVX2, vpmaddubsw does code pairs (xpairs, code_pairs below); elsewhere the same integer sums are
+// formed with int32 vector ops. Every x-row goes through the same
 // operations whatever the number of rows, so a block of n rows gives bitwise the results of n single rows.
 namespace {
 
@@ -424,11 +437,86 @@ inline __m512i four_columns(const uint8_t* c, int64_t g, int k) {
 constexpr bool VNNI = false;
 #endif
 
-// MC quantized x-rows against one block of 16 output rows: res[MC][16].
+#if !defined(__AVX512F__) && defined(__AVX2__)
+constexpr bool PAIRS = true;  // AVX2: vpmaddubsw on code pairs (below)
+// AVX2 has no vpdpbusd; vpmaddubsw multiplies 32 unsigned code bytes by 32 signed activation bytes and adds each
+// adjacent pair into an int16. Columns k .. k + 3 of a group's 16 rows become two registers of code pairs:
+//     A  lane 0, int16 i: (q[i][k], q[i][k + 1])      lane 1, int16 i: (q[i][k + 2], q[i][k + 3])     rows 0-7
+//     B  the same for rows 8-15
+// against one register of activation pairs per x-row, arranged once per call (xpairs): lane 0 (x_k, x_k+1) x 8,
+// lane 1 (x_k+2, x_k+3) x 8. Row i's sum over the 4 columns is then int16 i of lane 0 plus int16 i of lane 1.
+// The int16 sums are exact while they stay under 32767: a pair is at most 2 * qmax * 127, so QUADS_I16 column
+// quads (15 -> 8, 31 -> 4, 63 -> 2) are added as int16 before widening to int32. 8-bit codes (q + 128, up to 255)
+// would overflow a pair even signed (2 * 128 * 127 fits, two such pairs do not), so they take vpmaddwd instead:
+// (q - 128) widened to int16, times int16 x pairs, summed straight into int32; the group gets 128 * sum(x) back,
+// so the integer is the same. Integer sums are exact, so these are bit for bit the int32 sums of the portable path.
+template <int BITS>
+constexpr int QUADS_I16 = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 8;  // 8 bits: no int16 sums
+
+// Codes with a bit set in their 16-bit plane (8 bytes: planes of columns k .. k + 3) get ADD (A: rows 0-7, the
+// planes' low bytes; B: rows 8-15, the high bytes).
+template <int ADD>
+inline void add_planes(const uint8_t* planes, int k, __m256i& A, __m256i& B) {
+  int64_t bits;
+  std::memcpy(&bits, planes + 2 * k, 8);
+  const __m256i pb = _mm256_set1_epi64x(bits);
+  const __m256i pick_a = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,  //
+                                          4, 6, 4, 6, 4, 6, 4, 6, 4, 6, 4, 6, 4, 6, 4, 6);
+  const __m256i row_bit = _mm256_setr_epi8(1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, -128, -128,  //
+                                           1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, -128, -128);
+  const __m256i add = _mm256_set1_epi8(ADD);
+  const __m256i sa = _mm256_and_si256(_mm256_shuffle_epi8(pb, pick_a), row_bit);
+  const __m256i sb = _mm256_and_si256(_mm256_shuffle_epi8(pb, _mm256_add_epi8(pick_a, _mm256_set1_epi8(1))), row_bit);
+  A = _mm256_or_si256(A, _mm256_and_si256(_mm256_cmpeq_epi8(sa, row_bit), add));
+  B = _mm256_or_si256(B, _mm256_and_si256(_mm256_cmpeq_epi8(sb, row_bit), add));
+}
+
+template <int BITS>
+inline void code_pairs(const uint8_t* c, int64_t g, int k, __m256i& A, __m256i& B) {
+  if constexpr (BITS == 8) {  // columns k, k + 1 | k + 2, k + 3 (16 bytes each)
+    const __m256i v0 = _mm256_loadu_si256((const __m256i*)(c + k * L));
+    const __m256i v1 = _mm256_loadu_si256((const __m256i*)(c + (k + 2) * L));
+    const __m256i X = _mm256_permute2x128_si256(v0, v1, 0x20), Y = _mm256_permute2x128_si256(v0, v1, 0x31);
+    A = _mm256_unpacklo_epi8(X, Y);
+    B = _mm256_unpackhi_epi8(X, Y);
+  } else {  // nibble pairs (k, k + 1) | (k + 2, k + 3) of 16 rows
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(c + k * 8));
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    A = _mm256_unpacklo_epi8(lo, hi);
+    B = _mm256_unpackhi_epi8(lo, hi);
+    if constexpr (BITS >= 5) add_planes<16>(c + g * 8, k, A, B);
+    if constexpr (BITS == 6) add_planes<32>(c + g * 10, k, A, B);
+  }
+}
+
+// qx [M, K] -> [M, K / 4] registers of activation pairs (see above); 8-bit codes: [M, K / 2] registers of one
+// pair (x_k, x_k+1) as int16, 8 times.
+void xpairs(const int8_t* qx, int64_t M, int64_t K, int64_t bits, int8_t* out) {
+  if (bits == 8) {
+    for (int64_t i = 0; i < M * K / 2; ++i) {
+      const int32_t two = (int32_t)(uint16_t)(int16_t)qx[2 * i] | (int32_t)((uint32_t)(uint16_t)(int16_t)qx[2 * i + 1] << 16);
+      _mm256_storeu_si256((__m256i*)(out + 32 * i), _mm256_set1_epi32(two));
+    }
+    return;
+  }
+  const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  for (int64_t i = 0; i < M * K / 4; ++i) {
+    int32_t four;
+    std::memcpy(&four, qx + 4 * i, 4);
+    _mm256_storeu_si256((__m256i*)(out + 32 * i), _mm256_shuffle_epi8(_mm256_set1_epi32(four), spread));
+  }
+}
+#else
+constexpr bool PAIRS = false;
+#endif
+
+// MC quantized x-rows against one block of 16 output rows: res[MC][16]. xp: the rows' activation pairs (AVX2).
 template <int BITS, bool OFF, int MC>
-void tile_i8(const int8_t* __restrict qx, const float* __restrict dx, const int32_t* __restrict sx, int64_t K,
-             int64_t G, int64_t g, const uint8_t* __restrict codes, const float* __restrict sc,
-             const float* __restrict of, float z, float* __restrict res) {
+void tile_i8(const int8_t* __restrict qx, const int8_t* __restrict xp, const float* __restrict dx,
+             const int32_t* __restrict sx, int64_t K, int64_t G, int64_t g, const uint8_t* __restrict codes,
+             const float* __restrict sc, const float* __restrict of, float z, float* __restrict res) {
   vf acc[MC][NV];
   for (int m = 0; m < MC; ++m)
     for (int h = 0; h < NV; ++h) acc[m][h] = vf{};
@@ -450,7 +538,54 @@ void tile_i8(const int8_t* __restrict qx, const float* __restrict dx, const int3
       }
     }
     for (int m = 0; m < MC; ++m) isum[m][0] = (vi)_mm512_add_epi32(is[0][m], is[1][m]);
+#elif !defined(__AVX512F__) && defined(__AVX2__)
+    (void)qx;
+    __m256i is[MC][2];
+    for (int m = 0; m < MC; ++m) is[m][0] = is[m][1] = _mm256_setzero_si256();
+    constexpr int Q = QUADS_I16<BITS>;
+    prefetch_group<OFF>(codes, CB, sc, of, j);
+    for (int k0 = 0; k0 < g; k0 += 4 * Q) {
+      __m256i s16[MC][2];
+      for (int m = 0; m < MC; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
+      for (int k = k0; k < k0 + 4 * Q && k < g; k += 4) {
+        if constexpr (BITS == 8) {  // two column pairs as int16 (q - 128) against int16 x pairs: vpmaddwd, int32
+          for (int kk = k; kk < k + 4; kk += 2) {
+            const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(cg + kk * L)),
+                                               _mm256_set1_epi8(-128));
+            const __m128i c0 = _mm256_castsi256_si128(v), c1 = _mm256_extracti128_si256(v, 1);
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(c0, c1));  // rows 0-7: (q[i][kk], q[i][kk+1])
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(c0, c1));  // rows 8-15
+            for (int m = 0; m < MC; ++m) {
+              const __m256i x = _mm256_loadu_si256((const __m256i*)(xp + (m * K + j * g + kk) * 16));
+              is[m][0] = _mm256_add_epi32(is[m][0], _mm256_madd_epi16(w0, x));
+              is[m][1] = _mm256_add_epi32(is[m][1], _mm256_madd_epi16(w1, x));
+            }
+          }
+        } else {
+          __m256i A, B;
+          code_pairs<BITS>(cg, g, k, A, B);
+          for (int m = 0; m < MC; ++m) {
+            const __m256i x = _mm256_loadu_si256((const __m256i*)(xp + (m * K + j * g + k) * 8));
+            s16[m][0] = _mm256_add_epi16(s16[m][0], _mm256_maddubs_epi16(A, x));
+            s16[m][1] = _mm256_add_epi16(s16[m][1], _mm256_maddubs_epi16(B, x));
+          }
+        }
+      }
+      if constexpr (BITS != 8)
+      for (int m = 0; m < MC; ++m)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[m][h]));
+          const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[m][h], 1));
+          is[m][h] = _mm256_add_epi32(is[m][h], _mm256_add_epi32(lo, hi));
+        }
+    }
+    for (int m = 0; m < MC; ++m)
+      for (int h = 0; h < 2; ++h) {
+        isum[m][h] = (vi)is[m][h];
+        if constexpr (BITS == 8) isum[m][h] += 128 * sx[m * G + j];
+      }
 #else
+    (void)xp;
     for (int m = 0; m < MC; ++m)
       for (int h = 0; h < NV; ++h) isum[m][h] = vi{};
     for (int k = 0; k < g; k += 2)
@@ -475,7 +610,8 @@ void tile_i8(const int8_t* __restrict qx, const float* __restrict dx, const int3
 }
 
 template <int BITS, bool OFF>
-void run_i8(const int8_t* qx, const float* dx, const int32_t* sx, int64_t M, int64_t K, const uint8_t* codes,
+void run_i8(const int8_t* qx, const int8_t* xp, const float* dx, const int32_t* sx, int64_t M, int64_t K,
+            const uint8_t* codes,
             const float* sc, const float* of, int64_t NB, int64_t G, int64_t g, float z, const float* bias, float* y,
             int64_t ldy, int64_t N, bool accumulate) {
   const int64_t CB = group_bytes(BITS, g);
@@ -486,16 +622,17 @@ void run_i8(const int8_t* qx, const float* dx, const int32_t* sx, int64_t M, int
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int64_t mc = std::min<int64_t>(4, M - m0);
       const int8_t* q = qx + m0 * K;
+      const int8_t* p = PAIRS ? xp + m0 * K * (BITS == 8 ? 16 : 8) : nullptr;
       const float* d = dx + m0 * G;
       const int32_t* sm = sx + m0 * G;
       const uint8_t* cb = codes + b * G * CB;
       const float* sb = sc + b * G * L;
       const float* ob = OFF ? of + b * G * L : nullptr;
       switch (mc) {
-        case 1: tile_i8<BITS, OFF, 1>(q, d, sm, K, G, g, cb, sb, ob, z, res); break;
-        case 2: tile_i8<BITS, OFF, 2>(q, d, sm, K, G, g, cb, sb, ob, z, res); break;
-        case 3: tile_i8<BITS, OFF, 3>(q, d, sm, K, G, g, cb, sb, ob, z, res); break;
-        default: tile_i8<BITS, OFF, 4>(q, d, sm, K, G, g, cb, sb, ob, z, res); break;
+        case 1: tile_i8<BITS, OFF, 1>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+        case 2: tile_i8<BITS, OFF, 2>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+        case 3: tile_i8<BITS, OFF, 3>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+        default: tile_i8<BITS, OFF, 4>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
       }
       store_tile(res, mc, y + m0 * ldy + b * L, ldy, rows, bias ? bias + b * L : nullptr, accumulate);
     }
@@ -528,8 +665,13 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
     dx[i] = d;
     sx[i] = sum;
   }
+  std::vector<int8_t> pairs;
+#if !defined(__AVX512F__) && defined(__AVX2__)
+  pairs.resize(M * K * (bits == 8 ? 16 : 8));
+  xpairs(qx.data(), M, K, bits, pairs.data());
+#endif
   dispatch(bits, a.off, [&](auto B, auto O) {
-    run_i8<decltype(B)::value, decltype(O)::value>(qx.data(), dx.data(), sx.data(), M, K, a.codes, a.scales,
+    run_i8<decltype(B)::value, decltype(O)::value>(qx.data(), pairs.data(), dx.data(), sx.data(), M, K, a.codes, a.scales,
                                                    a.offsets, a.NB, G, group, a.z, a.bias, a.y, a.ldy, a.N,
                                                    accumulate);
   });
