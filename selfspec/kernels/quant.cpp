@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -437,6 +438,8 @@ inline __m512i four_columns(const uint8_t* c, int64_t g, int k) {
 constexpr bool VNNI = false;
 #endif
 
+constexpr int64_t ROUND_PARALLEL = 1 << 15;  // activations (rows x columns) from which rounding them is parallel
+
 #if !defined(__AVX512F__) && defined(__AVX2__)
 constexpr bool PAIRS = true;  // AVX2: vpmaddubsw on code pairs (below)
 // AVX2 has no vpdpbusd; vpmaddubsw multiplies 32 unsigned code bytes by 32 signed activation bytes and adds each
@@ -494,6 +497,7 @@ inline void code_pairs(const uint8_t* c, int64_t g, int k, __m256i& A, __m256i& 
 // pair (x_k, x_k+1) as int16, 8 times.
 void xpairs(const int8_t* qx, int64_t M, int64_t K, int64_t bits, int8_t* out) {
   if (bits == 8) {
+#pragma omp parallel for schedule(static) if (M * K >= ROUND_PARALLEL)
     for (int64_t i = 0; i < M * K / 2; ++i) {
       const int32_t two = (int32_t)(uint16_t)(int16_t)qx[2 * i] | (int32_t)((uint32_t)(uint16_t)(int16_t)qx[2 * i + 1] << 16);
       _mm256_storeu_si256((__m256i*)(out + 32 * i), _mm256_set1_epi32(two));
@@ -502,6 +506,7 @@ void xpairs(const int8_t* qx, int64_t M, int64_t K, int64_t bits, int8_t* out) {
   }
   const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+#pragma omp parallel for schedule(static) if (M * K >= ROUND_PARALLEL)
   for (int64_t i = 0; i < M * K / 4; ++i) {
     int32_t four;
     std::memcpy(&four, qx + 4 * i, 4);
@@ -646,10 +651,12 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
                          int64_t bits, int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
   const LinearArgs a = linear_args(x, codes, scales, offsets, bits, group, z, bias, out);
   const int64_t M = a.M, K = a.K, G = a.G;
-  std::vector<int8_t> qx(M * K);
+  std::unique_ptr<int8_t[]> qx(new int8_t[M * K]);  // uninitialized: every byte is written below
   std::vector<float> dx(M * G);
   std::vector<int32_t> sx(M * G);
   const float* xp = x.data_ptr<float>();
+  // Groups are independent: a prefill's rows are rounded on every thread (one row is not worth waking them).
+#pragma omp parallel for schedule(static) if (M * K >= ROUND_PARALLEL)
   for (int64_t i = 0; i < M * G; ++i) {  // row m = i / G, group j = i % G
     const float* xg = xp + i * group;
     float amax = 0.f;
@@ -665,13 +672,13 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
     dx[i] = d;
     sx[i] = sum;
   }
-  std::vector<int8_t> pairs;
+  std::unique_ptr<int8_t[]> pairs;
 #if !defined(__AVX512F__) && defined(__AVX2__)
-  pairs.resize(M * K * (bits == 8 ? 16 : 8));
-  xpairs(qx.data(), M, K, bits, pairs.data());
+  pairs.reset(new int8_t[M * K * (bits == 8 ? 16 : 8)]);
+  xpairs(qx.get(), M, K, bits, pairs.get());
 #endif
   dispatch(bits, a.off, [&](auto B, auto O) {
-    run_i8<decltype(B)::value, decltype(O)::value>(qx.data(), pairs.data(), dx.data(), sx.data(), M, K, a.codes, a.scales,
+    run_i8<decltype(B)::value, decltype(O)::value>(qx.get(), pairs.get(), dx.data(), sx.data(), M, K, a.codes, a.scales,
                                                    a.offsets, a.NB, G, group, a.z, a.bias, a.y, a.ldy, a.N,
                                                    accumulate);
   });
