@@ -450,9 +450,9 @@ constexpr bool PAIRS = true;  // AVX2: vpmaddubsw on code pairs (below)
 // lane 1 (x_k+2, x_k+3) x 8. Row i's sum over the 4 columns is then int16 i of lane 0 plus int16 i of lane 1.
 // The int16 sums are exact while they stay under 32767: a pair is at most 2 * qmax * 127, so QUADS_I16 column
 // quads (15 -> 8, 31 -> 4, 63 -> 2) are added as int16 before widening to int32. 8-bit codes (q + 128, up to 255)
-// would overflow a pair even signed (2 * 128 * 127 fits, two such pairs do not), so they take vpmaddwd instead:
-// (q - 128) widened to int16, times int16 x pairs, summed straight into int32; the group gets 128 * sum(x) back,
-// so the integer is the same. Integer sums are exact, so these are bit for bit the int32 sums of the portable path.
+// overflow a pair as they are; signed, one pair fits but two do not, and widening every quad costs more than
+// vpmaddwd: (q - 128) widened to int16, times int16 x pairs, summed straight into int32; the group gets
+// 128 * sum(x) back, so the integer is the same. Integer sums are exact, so these are bit for bit the int32 sums of the portable path.
 template <int BITS>
 constexpr int QUADS_I16 = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 8;  // 8 bits: no int16 sums
 
@@ -474,23 +474,17 @@ inline void add_planes(const uint8_t* planes, int k, __m256i& A, __m256i& B) {
   B = _mm256_or_si256(B, _mm256_and_si256(_mm256_cmpeq_epi8(sb, row_bit), add));
 }
 
+// 4-6-bit codes of columns k .. k + 3: the nibble pairs (k, k + 1) | (k + 2, k + 3) of 16 rows, plus the planes.
 template <int BITS>
 inline void code_pairs(const uint8_t* c, int64_t g, int k, __m256i& A, __m256i& B) {
-  if constexpr (BITS == 8) {  // columns k, k + 1 | k + 2, k + 3 (16 bytes each)
-    const __m256i v0 = _mm256_loadu_si256((const __m256i*)(c + k * L));
-    const __m256i v1 = _mm256_loadu_si256((const __m256i*)(c + (k + 2) * L));
-    const __m256i X = _mm256_permute2x128_si256(v0, v1, 0x20), Y = _mm256_permute2x128_si256(v0, v1, 0x31);
-    A = _mm256_unpacklo_epi8(X, Y);
-    B = _mm256_unpackhi_epi8(X, Y);
-  } else {  // nibble pairs (k, k + 1) | (k + 2, k + 3) of 16 rows
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(c + k * 8));
-    const __m256i m4 = _mm256_set1_epi8(15);
-    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    A = _mm256_unpacklo_epi8(lo, hi);
-    B = _mm256_unpackhi_epi8(lo, hi);
-    if constexpr (BITS >= 5) add_planes<16>(c + g * 8, k, A, B);
-    if constexpr (BITS == 6) add_planes<32>(c + g * 10, k, A, B);
-  }
+  static_assert(BITS >= 4 && BITS <= 6, "8-bit codes take vpmaddwd (tile_i8)");
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(c + k * 8));
+  const __m256i m4 = _mm256_set1_epi8(15);
+  const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+  A = _mm256_unpacklo_epi8(lo, hi);
+  B = _mm256_unpackhi_epi8(lo, hi);
+  if constexpr (BITS >= 5) add_planes<16>(c + g * 8, k, A, B);
+  if constexpr (BITS == 6) add_planes<32>(c + g * 10, k, A, B);
 }
 
 // qx [M, K] -> [M, K / 4] registers of activation pairs (see above); 8-bit codes: [M, K / 2] registers of one
@@ -499,7 +493,8 @@ void xpairs(const int8_t* qx, int64_t M, int64_t K, int64_t bits, int8_t* out) {
   if (bits == 8) {
 #pragma omp parallel for schedule(static) if (M * K >= ROUND_PARALLEL)
     for (int64_t i = 0; i < M * K / 2; ++i) {
-      const int32_t two = (int32_t)(uint16_t)(int16_t)qx[2 * i] | (int32_t)((uint32_t)(uint16_t)(int16_t)qx[2 * i + 1] << 16);
+      const uint32_t lo = (uint16_t)(int16_t)qx[2 * i], hi = (uint16_t)(int16_t)qx[2 * i + 1];
+      const int32_t two = (int32_t)(lo | hi << 16);
       _mm256_storeu_si256((__m256i*)(out + 32 * i), _mm256_set1_epi32(two));
     }
     return;
