@@ -16,6 +16,7 @@ from selfspec.costs import DraftCosts
 from selfspec.drafting.policies import ConfidencePolicy, DepthBandit, FixedPolicy, ThompsonPolicy
 from selfspec.errors import ExitLayerError, HeadMismatchError
 from selfspec.heads.io import load_head, new_head, save_head
+from selfspec.kernels.build import cpu_extension
 from selfspec.tuning import cache_path, format_tuning, load_cached
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,6 +30,9 @@ def costs(draft_share: float = 0.1) -> DraftCosts:
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
+    """Tunings and costs in a fresh cache; the kernels loaded from the usual one first (built into an empty
+    cache they took two minutes of every suite run, and processes the later tests start built them again)."""
+    cpu_extension()
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
 
 
