@@ -439,6 +439,8 @@ constexpr bool VNNI = false;
 #endif
 
 constexpr int64_t ROUND_PARALLEL = 1 << 15;  // activations (rows x columns) from which rounding them is parallel
+// Bytes of activation pairs per activation (AVX2, xpairs): a 32-byte register per 4 columns, per 2 for 8-bit codes.
+constexpr int64_t pair_bytes(int64_t bits) { return bits == 8 ? 16 : 8; }
 
 #if !defined(__AVX512F__) && defined(__AVX2__)
 constexpr bool PAIRS = true;  // AVX2: vpmaddubsw on code pairs (below)
@@ -452,9 +454,11 @@ constexpr bool PAIRS = true;  // AVX2: vpmaddubsw on code pairs (below)
 // quads (15 -> 8, 31 -> 4, 63 -> 2) are added as int16 before widening to int32. 8-bit codes (q + 128, up to 255)
 // overflow a pair as they are; signed, one pair fits but two do not, and widening every quad costs more than
 // vpmaddwd: (q - 128) widened to int16, times int16 x pairs, summed straight into int32; the group gets
-// 128 * sum(x) back, so the integer is the same. Integer sums are exact, so these are bit for bit the int32 sums of the portable path.
+// 128 * sum(x) back, so the integer is the same. Integer sums are exact, so these are bit for bit the int32 sums
+// of the portable path.
 template <int BITS>
-constexpr int QUADS_I16 = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 8;  // 8 bits: no int16 sums
+constexpr int QUADS_I16 = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;  // 4-6-bit codes (8-bit codes sum in int32)
+
 
 // Codes with a bit set in their 16-bit plane (8 bytes: planes of columns k .. k + 3) get ADD (A: rows 0-7, the
 // planes' low bytes; B: rows 8-15, the high bytes).
@@ -542,42 +546,41 @@ void tile_i8(const int8_t* __restrict qx, const int8_t* __restrict xp, const flo
     (void)qx;
     __m256i is[MC][2];
     for (int m = 0; m < MC; ++m) is[m][0] = is[m][1] = _mm256_setzero_si256();
-    constexpr int Q = QUADS_I16<BITS>;
     prefetch_group<OFF>(codes, CB, sc, of, j);
-    for (int k0 = 0; k0 < g; k0 += 4 * Q) {
-      __m256i s16[MC][2];
-      for (int m = 0; m < MC; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
-      for (int k = k0; k < k0 + 4 * Q && k < g; k += 4) {
-        if constexpr (BITS == 8) {  // two column pairs as int16 (q - 128) against int16 x pairs: vpmaddwd, int32
-          for (int kk = k; kk < k + 4; kk += 2) {
-            const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(cg + kk * L)),
-                                               _mm256_set1_epi8(-128));
-            const __m128i c0 = _mm256_castsi256_si128(v), c1 = _mm256_extracti128_si256(v, 1);
-            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(c0, c1));  // rows 0-7: (q[i][kk], q[i][kk+1])
-            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(c0, c1));  // rows 8-15
-            for (int m = 0; m < MC; ++m) {
-              const __m256i x = _mm256_loadu_si256((const __m256i*)(xp + (m * K + j * g + kk) * 16));
-              is[m][0] = _mm256_add_epi32(is[m][0], _mm256_madd_epi16(w0, x));
-              is[m][1] = _mm256_add_epi32(is[m][1], _mm256_madd_epi16(w1, x));
-            }
-          }
-        } else {
+    const int8_t* xj = xp + j * g * pair_bytes(BITS);  // row m's pairs of column k: xj + (m K + k) pair_bytes
+    if constexpr (BITS == 8) {  // column pairs as int16 (q - 128) against int16 x pairs: vpmaddwd, int32 sums
+      for (int k = 0; k < g; k += 2) {
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(cg + k * L)), _mm256_set1_epi8(-128));
+        const __m128i c0 = _mm256_castsi256_si128(v), c1 = _mm256_extracti128_si256(v, 1);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(c0, c1));  // rows 0-7: (q[i][k], q[i][k + 1])
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(c0, c1));  // rows 8-15
+        for (int m = 0; m < MC; ++m) {
+          const __m256i x = _mm256_loadu_si256((const __m256i*)(xj + (m * K + k) * 16));
+          is[m][0] = _mm256_add_epi32(is[m][0], _mm256_madd_epi16(w0, x));
+          is[m][1] = _mm256_add_epi32(is[m][1], _mm256_madd_epi16(w1, x));
+        }
+      }
+    } else {  // column quads of code pairs (vpmaddubsw), QUADS_I16 of them summed as int16, then widened
+      constexpr int Q = QUADS_I16<BITS>;
+      for (int k0 = 0; k0 < g; k0 += 4 * Q) {
+        __m256i s16[MC][2];
+        for (int m = 0; m < MC; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
+        for (int k = k0; k < k0 + 4 * Q && k < g; k += 4) {
           __m256i A, B;
           code_pairs<BITS>(cg, g, k, A, B);
           for (int m = 0; m < MC; ++m) {
-            const __m256i x = _mm256_loadu_si256((const __m256i*)(xp + (m * K + j * g + k) * 8));
+            const __m256i x = _mm256_loadu_si256((const __m256i*)(xj + (m * K + k) * 8));
             s16[m][0] = _mm256_add_epi16(s16[m][0], _mm256_maddubs_epi16(A, x));
             s16[m][1] = _mm256_add_epi16(s16[m][1], _mm256_maddubs_epi16(B, x));
           }
         }
+        for (int m = 0; m < MC; ++m)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[m][h]));
+            const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[m][h], 1));
+            is[m][h] = _mm256_add_epi32(is[m][h], _mm256_add_epi32(lo, hi));
+          }
       }
-      if constexpr (BITS != 8)
-      for (int m = 0; m < MC; ++m)
-        for (int h = 0; h < 2; ++h) {
-          const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[m][h]));
-          const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[m][h], 1));
-          is[m][h] = _mm256_add_epi32(is[m][h], _mm256_add_epi32(lo, hi));
-        }
     }
     for (int m = 0; m < MC; ++m)
       for (int h = 0; h < 2; ++h) {
@@ -622,7 +625,7 @@ void run_i8(const int8_t* qx, const int8_t* xp, const float* dx, const int32_t* 
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int64_t mc = std::min<int64_t>(4, M - m0);
       const int8_t* q = qx + m0 * K;
-      const int8_t* p = PAIRS ? xp + m0 * K * (BITS == 8 ? 16 : 8) : nullptr;
+      const int8_t* p = PAIRS ? xp + m0 * K * pair_bytes(BITS) : nullptr;
       const float* d = dx + m0 * G;
       const int32_t* sm = sx + m0 * G;
       const uint8_t* cb = codes + b * G * CB;
@@ -669,7 +672,7 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   }
   std::unique_ptr<int8_t[]> pairs;
 #if !defined(__AVX512F__) && defined(__AVX2__)
-  pairs.reset(new int8_t[M * K * (bits == 8 ? 16 : 8)]);
+  pairs.reset(new int8_t[M * K * pair_bytes(bits)]);
   xpairs(qx.get(), M, K, bits, pairs.get());
 #endif
   dispatch(bits, a.off, [&](auto B, auto O) {
