@@ -6,6 +6,8 @@ On first use of a model + exit head on a machine (``DraftConfig.tune="auto"``), 
     cached on their own, ``selfspec.cost_cache``, and checked at every load);
   - acceptance per draft position, at every depth and tree width, by decoding a few built-in prompts with
     a fixed long draft (conditional acceptance: position i counts only when positions < i were accepted);
+  - what a drafting round really costs beyond its layers and head calls (``round_overhead``: rounds of one
+    and of CHAIN_CAP drafts timed against plain steps of the same engine);
 
 and chooses the (depth, tree width, draft cap) whose measured acceptance promises the best speed over
 plain decoding at the measured costs (selfspec.costs.speedup). The result, with everything measured, is
@@ -22,8 +24,9 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,7 @@ from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
 from selfspec.progress import progress
 
-TUNING_VERSION = 6  # 6: block costs made monotone in n (costs.monotone)
+TUNING_VERSION = 7  # 6: block costs made monotone in n (costs.monotone); 7: measured round overhead
 # short, varied: chat, code, math, extraction, and the kinds where drafts fail (another language, a short fact):
 # a calibration on easy prompts alone promised the Thompson prior an acceptance the translation group never saw
 # (Spec-Bench's own questions are never used to tune)
@@ -56,6 +59,7 @@ CHAIN_CAP = 5  # the fixed draft length acceptance is measured with (positions b
 TREE_CAP = 4  # ... and the depth of the trees
 TREE_WIDTHS = (0, 2)  # tree widths tried for heads that support trees
 NEAR = 0.03
+OVERHEAD_PROMPTS = 4  # prompts decoded in rounds of alternating draft lengths to measure the round overhead
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # confidence stops the calibration replays (0: none)  # depths whose predicted speedups lie within this of the best share rounds (bandit)
 
 
@@ -74,6 +78,13 @@ class Tuning:
     costs_ms: dict[str, dict[str, Any]] = field(default_factory=dict)  # depth -> measured costs (ms)
     seconds: float = 0.0  # how long the calibration took
     key: dict[str, Any] = field(default_factory=dict)  # what the cache entry is valid for
+    # the measured round overhead (ms, ``round_overhead``): 'round' and 'per_draft' go into the policies' costs
+    overhead_ms: dict[str, float] = field(default_factory=dict)
+
+    def with_overhead(self, costs: DraftCosts) -> DraftCosts:
+        """``costs`` with the round overhead this calibration measured (at the head's own depth, used for all)."""
+        return replace(costs, t_round=self.overhead_ms.get("round", 0.0) / 1e3,
+                       t_per_draft=self.overhead_ms.get("per_draft", 0.0) / 1e3)
 
     def prior(self, depth: int, width: int | None = None) -> list[float]:
         return self.acceptance.get(f"{depth}/{self.tree_width if width is None else width}", [0.35])
@@ -121,6 +132,7 @@ class _Recorder(FixedPolicy):
     def __init__(self, depth: int, n: int) -> None:
         self.depth, self.n = depth, n
         self.rounds: list[tuple[list[float], int]] = []
+        self.seconds: list[float] = []  # each round's wall time (record_rounds), aligned with ``rounds``
         self._confs: list[float] = []
 
     def max_drafts(self, gamma: int) -> int:
@@ -153,14 +165,16 @@ def _drafted(confs: list[float], threshold: float, cap: int) -> int:
 def simulate(costs: DraftCosts, rounds: list[tuple[list[float], int]], threshold: float, cap: int) -> float:
     """Speed over plain decoding of chains cut by a confidence stop at ``threshold`` and at ``cap`` drafts,
     replayed on recorded rounds at the measured costs. A round stopped early still paid the head on the
-    token it stopped at; cap 0 is plain decoding (1.0)."""
+    token it stopped at (and, stopped before its first draft, the round overhead: the head's path ran);
+    cap 0 is plain decoding (1.0)."""
     if cap == 0 or not rounds:
         return 1.0
     tokens = seconds = 0.0
     for confs, accepted in rounds:
         n = _drafted(confs, threshold, cap)
         tokens += min(accepted, n) + 1
-        seconds += costs.round_cost(n) + (costs.t_head if n < min(cap, len(confs)) else 0.0)
+        stopped = n < min(cap, len(confs))
+        seconds += costs.round_cost(n) + ((costs.t_head + (costs.t_round if n == 0 else 0.0)) if stopped else 0.0)
     return tokens * costs.t_plain / seconds
 
 
@@ -181,20 +195,91 @@ def calibration_prompts(tokenizer: Any, vocab_size: int) -> list[list[int]]:
     return out
 
 
+def _recording(split: SplitModel, head: ExitHead, depth: int, width: int, cap: int) -> tuple[Engine, _Recorder]:
+    """An engine drafting fixed rounds of ``cap`` drafts at ``depth`` (chains, or trees of ``width``), and its recorder."""
+    rec = _Recorder(depth, cap)
+    return Engine(split, EarlyExitDrafter(split, head, rec, lookup=0), gamma=cap, tree_width=width), rec
+
+
+def _decode(engine: Engine, ids: list[int], new_tokens: int, seconds: list[float], method: str = "selfspec") -> None:
+    """Decode ``ids`` greedily (``new_tokens``, past EOS), appending each round's wall time (not the prefill's)."""
+    gen = GenerateConfig(max_new_tokens=new_tokens, ignore_eos=True, method=method)
+    room = engine.split.context_length - new_tokens - 1
+    t = None
+    for _ in engine.generate_tokens(ids[-room:], gen):
+        now = time.perf_counter()
+        if t is not None:
+            seconds.append(now - t)
+        t = now
+
+
 @torch.inference_mode()
 def record_rounds(split: SplitModel, head: ExitHead, depth: int, width: int, prompts: list[list[int]],
                   new_tokens: int) -> _Recorder:
     """Decode ``prompts`` greedily with fixed drafts at ``depth`` (chains, or trees of ``width``), recording
     every round's confidences and accepted count."""
     cap = CHAIN_CAP if width <= 1 else min(TREE_CAP, max(1, (MAX_TREE_NODES - 1) // width))
-    rec = _Recorder(depth, cap)
-    engine = Engine(split, EarlyExitDrafter(split, head, rec, lookup=0), gamma=cap, tree_width=width)
-    gen = GenerateConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    engine, rec = _recording(split, head, depth, width, cap)
     for ids in prompts:
-        room = split.context_length - new_tokens - 1
-        for _ in engine.generate_tokens(ids[-room:], gen):
-            pass
+        _decode(engine, ids, new_tokens, rec.seconds)
     return rec
+
+
+class _Alternating(_Recorder):
+    """A recorder whose rounds draft ``pattern[i % len(pattern)]`` tokens in turn (``round_overhead``)."""
+
+    def __init__(self, depth: int, pattern: tuple[int, ...]) -> None:
+        super().__init__(depth, max(pattern))
+        self.pattern, self.count = pattern, 0
+
+    def max_drafts(self, gamma: int) -> int:
+        self._confs = []
+        self.count += 1
+        return self.pattern[(self.count - 1) % len(self.pattern)]
+
+
+def _paired_excess(rec: _Recorder, costs: DraftCosts, more: int, fewer: int) -> list[float]:
+    """Per pair of neighbouring rounds of ``more`` and ``fewer`` drafts: how much more the first cost than the
+    second beyond what ``costs`` model for each (seconds)."""
+    rounds = [(len(confs), t) for (confs, _), t in zip(rec.rounds, rec.seconds)]
+    out = []
+    for (n1, t1), (n2, t2) in zip(rounds, rounds[1:]):
+        if {n1, n2} == {more, fewer}:
+            t_more, t_fewer = (t1, t2) if n1 == more else (t2, t1)
+            out.append((t_more - costs.round_cost(more)) - (t_fewer - costs.round_cost(fewer)))
+    return out
+
+
+@torch.inference_mode()
+def round_overhead(split: SplitModel, head: ExitHead, costs: DraftCosts, prompts: list[list[int]],
+                   new_tokens: int) -> dict[str, float]:
+    """What a drafting round costs beyond its layers and head calls (``costs``, timed on their own), in ms, split
+    into a part per round ('round': the head catching up on the tokens verified since its last call, the draft's
+    and the verdict's Python) and one per draft token ('per_draft'), both >= 0.
+
+    Measured in pairs of neighbouring rounds of one decode, so that a shared machine's drift (seconds long, often
+    larger than the overhead itself) hits both alike: rounds drafting 1 and 0 tokens in turn give 'round' (the
+    1-draft round's cost beyond its model, less the 0-draft round's beyond a plain step), rounds of 2 and 1 in turn
+    'per_draft'. Medians over the pairs. Measured on the default model (AMD Zen 3, 2 threads, a busy host):
+    1.4-1.9 ms a round beside a ~7 ms step, which is why a one-draft round there cost 1.67 steps, not the
+    1.43 its layers and head add up to."""
+    base = costs.layers_only()
+    pairs: dict[tuple[int, int], list[float]] = {}
+    for more, fewer in ((1, 0), (2, 1)):
+        rec = _Alternating(base.exit_layer, (more, fewer))
+        engine = Engine(split, EarlyExitDrafter(split, head, rec, lookup=0), gamma=more)
+        for ids in prompts:
+            _decode(engine, ids, new_tokens, rec.seconds)
+        pairs[more, fewer] = _paired_excess(rec, base, more, fewer)
+
+    def median(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else 0.0
+
+    one, step = median(pairs[1, 0]), median(pairs[2, 1])
+    per_draft = max(0.0, step)
+    ms = {"round": max(0.0, one - per_draft), "per_draft": per_draft, "excess_1_vs_0": one, "excess_2_vs_1": step,
+          "pairs": float(len(pairs[1, 0]) + len(pairs[2, 1]))}
+    return {k: round(v * 1e3, 3) if k != "pairs" else v for k, v in ms.items()}
 
 
 def calibrate(split: SplitModel, head: ExitHead, tokenizer: Any = None, new_tokens: int = 32,
@@ -212,7 +297,12 @@ def calibrate(split: SplitModel, head: ExitHead, tokenizer: Any = None, new_toke
             costs[d] = measure_draft_costs(split, head, exit_layer=d)
     acceptance: dict[str, list[float]] = {}
     predicted: dict[str, tuple[int, float, float]] = {}  # shape -> (draft cap, predicted speedup, threshold)
-    bar = progress(total=len(depths) * len(widths), desc="calibrating the draft", unit="shape", inner=True)
+    bar = progress(total=len(depths) * len(widths) + 1, desc="calibrating the draft", unit="shape", inner=True)
+    k = head.exit_layer if head.exit_layer in depths else depths[0]
+    overhead = round_overhead(split, head, costs[k], prompts[:OVERHEAD_PROMPTS], new_tokens)
+    bar.update()
+    costs = {d: replace(c, t_round=overhead["round"] / 1e3, t_per_draft=overhead["per_draft"] / 1e3)
+             for d, c in costs.items()}
     for d in depths:
         for w in widths:
             rec = record_rounds(split, head, d, w, prompts, new_tokens)
@@ -238,7 +328,7 @@ def calibrate(split: SplitModel, head: ExitHead, tokenizer: Any = None, new_toke
         acceptance={s: [round(a, 4) for a in v] for s, v in acceptance.items()},
         predicted={s: [v[0], round(v[1], 4), v[2]] for s, v in predicted.items()},
         costs_ms={str(d): _costs_ms(c) for d, c in costs.items()},
-        seconds=round(time.perf_counter() - t0, 2), key=tuning_key(split, head),
+        seconds=round(time.perf_counter() - t0, 2), key=tuning_key(split, head), overhead_ms=overhead,
     )
 
 
@@ -273,4 +363,8 @@ def format_tuning(t: Tuning) -> str:
     for d, c in t.costs_ms.items():
         deep = " / ".join(str(c["deep"].get(n, "-")) for n in ("1", "4", "16"))
         lines.append(f"| {d} | {c['shallow']} | {c['head']} | {c['plain']} | {deep} |")
+    if t.overhead_ms:
+        o = t.overhead_ms
+        lines += ["", f"round overhead (measured on real rounds, beyond layers and head): {o.get('round', 0):.2f} ms a "
+                      f"drafting round + {o.get('per_draft', 0):.2f} ms a draft token"]
     return "\n".join(lines)

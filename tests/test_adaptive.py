@@ -5,6 +5,8 @@ depth (and a switch of depth between rounds) stays lossless with every cache con
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -257,6 +259,40 @@ def test_calibration_replays_confidence_stops_on_recorded_rounds():
     assert rec.acceptance(0.0, prior=0.0, weight=1.0)[:2] == pytest.approx([1 / 3, 1 / 2])
 
 
+def test_round_overhead_is_priced_in_every_drafting_round():
+    """The measured overhead of a drafting round (tuning.round_overhead) counts in every round that drafts, chains and
+    trees, never in a plain step; it survives the cost cache's JSON, and enough of it makes drafting not pay."""
+    from selfspec.costs import best_gamma
+    from selfspec.tuning import simulate
+
+    c = replace(costs(), t_round=0.2, t_per_draft=0.05)
+    base = c.layers_only()
+    assert base.t_round == 0.0 and c.round_cost(0) == base.round_cost(0)
+    assert c.round_cost(3) == pytest.approx(base.round_cost(3) + 0.2 + 3 * 0.05)
+    tree = replace(c, tree_width=2)
+    assert tree.round_cost(2) == pytest.approx(tree.layers_only().round_cost(2) + 0.2 + 2 * 0.05)
+    assert DraftCosts.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    old = c.to_dict()
+    del old["t_round"], old["t_per_draft"]  # an entry written before the overhead existed
+    assert DraftCosts.from_dict(old) == base
+    assert best_gamma(base, [0.6])[0] >= 1
+    assert best_gamma(replace(base, t_round=base.t_plain), [0.6])[0] == 0
+    # a confidence stop before the first draft: the head's path ran, so the round overhead was paid too
+    assert simulate(c, [([0.1], 0)], 0.5, 1) == pytest.approx(c.t_plain / (c.round_cost(0) + c.t_head + 0.2))
+
+
+def test_calibration_measures_the_round_overhead_and_the_policy_prices_it():
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(), DraftConfig(head="lm", exit_layer=1, lookup=0))
+    t = ss.tuning_result
+    o = t.overhead_ms
+    assert {"round", "per_draft", "excess_1_vs_0", "excess_2_vs_1"} <= set(o) and o["pairs"] > 10
+    assert o["round"] >= 0 and o["per_draft"] >= 0 and all(math.isfinite(v) for v in o.values())
+    policy = ss.engine.drafter.policy
+    assert policy.costs.t_round == pytest.approx(o["round"] / 1e3)
+    assert policy.costs.t_per_draft == pytest.approx(o["per_draft"] / 1e3)
+    assert "round overhead" in format_tuning(t)
+
+
 def test_calibration_is_cached_shown_and_overridable(tmp_path):
     ss = nested_ss("llama", tmp_path)
     where = str(tmp_path / "nested-llama")
@@ -311,7 +347,8 @@ def test_block_costs_are_made_monotone_in_the_block_size(monkeypatch):
         1: 37.3, 2: 37.3, 4: 81.4, 8: 131.3, 16: 296.0}
     assert costs_mod.monotone({1: 1.0, 2: 2.0}) == {1: 1.0, 2: 2.0}  # already monotone: unchanged
     spiky = {1: 0.044, 2: 0.037, 4: 0.081}
-    monkeypatch.setattr(costs_mod, "time_layers", lambda split, start, end, n, *a, **k: spiky.get(n, 0.1) if start else 0.001)
+    monkeypatch.setattr(costs_mod, "time_blocks",
+                        lambda split, start, end, sizes, *a, **k: {n: spiky.get(n, 0.1) if start else 0.001 for n in sizes})
     monkeypatch.setattr(costs_mod, "time_head", lambda *a, **k: 0.002)
     ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(), DraftConfig(head="lm", exit_layer=1, tune="off"))
     c = costs_mod.measure_draft_costs(ss.split, ss.head, block_sizes=(1, 2, 4))

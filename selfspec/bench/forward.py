@@ -38,7 +38,7 @@ import torch
 from selfspec.api import SelfSpec
 from selfspec.bench.specbench import machine_info
 from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
-from selfspec.costs import time_head, time_layers
+from selfspec.costs import time_blocks, time_head
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import bundled_head_dir, read_head_config
 from selfspec.memory import file_mappings, resident_mb
@@ -295,12 +295,12 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
             head_s[b, n] = time_head(_head_on(head, split), split, cfg.reps, n=n)
             bar.update(1)
     for c in cfg.contexts:
-        for n in sizes:
-            for b, split in splits.items():  # backends interleaved so machine drift hits both alike
-                for name, (start, end, lm) in spans.items():
-                    bar.set_postfix_str(f"ctx {c} n={n} {b} {name}")
-                    seconds[b, c, name, n] = time_layers(split, start, end, n, c, cfg.reps, lm_head=lm)
-                    bar.update(1)
+        for b, split in splits.items():
+            for name, (start, end, lm) in spans.items():  # block sizes interleaved: machine drift hits all alike
+                bar.set_postfix_str(f"ctx {c} {b} {name}")
+                for n, t in time_blocks(split, start, end, tuple(sizes), c, cfg.reps, lm_head=lm).items():
+                    seconds[b, c, name, n] = t
+                bar.update(len(sizes))
     bar.close()
 
     figures = []

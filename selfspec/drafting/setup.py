@@ -75,6 +75,8 @@ def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold:
         return policy, gamma, None
     thompson = name.startswith("thompson")  # only a Thompson policy drafts at other depths (the bandit)
     costs = {d: ss.draft_costs(head, draft, d) for d in (head_depths(head) if thompson else [head.exit_layer])}
+    if tuning is not None:  # what real rounds cost beyond their layers (measured by the calibration)
+        costs = {d: tuning.with_overhead(c) for d, c in costs.items()}
     shaped = {d: replace(c, tree_width=draft.tree_width) if draft.tree_width > 1 else c for d, c in costs.items()}
     k = head.exit_layer
     if thompson:
