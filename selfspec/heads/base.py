@@ -26,6 +26,8 @@ from selfspec.errors import HeadMismatchError
 from selfspec.kernels.linear import PackedLinear, pack_linear
 from selfspec.models.cache import KVCache
 from selfspec.models.split import SplitModel, TreeAttention
+from selfspec.quant.convert import quantize_weight
+from selfspec.quant.modules import QuantLinear
 
 
 def model_fingerprint(split: SplitModel) -> dict[str, Any]:
@@ -95,13 +97,18 @@ class ExitHead(nn.Module):
         self.source: str | None = None  # the directory the head was loaded from (its SpecEE predictors live there)
 
     def linear(self, module: nn.Linear) -> Any:
-        """``module`` through selfspec's decoding kernels (packed once per weight version) when drafting on the
-        fast backend; the module itself while training (gradients) or on the reference backend."""
+        """``module`` through selfspec's decoding kernels (packed once per weight version, in ``draft_weights``
+        when its input width takes blocks) when drafting on the fast backend; the module itself while training
+        (gradients) or on the reference backend."""
         if self.split.backend != "fast" or torch.is_grad_enabled():
             return module
         hit = self._packed.get(id(module))
         if hit is None or hit[0] is not module.weight or hit[1] != module.weight._version:
-            hit = self._packed[id(module)] = (module.weight, module.weight._version, pack_linear(module))
+            src: Any = module
+            if self.draft_weights != "float32" and module.in_features % 32 == 0:
+                bias = None if module.bias is None else module.bias.detach().float()
+                src = QuantLinear(quantize_weight(module.weight, self.draft_weights), bias)
+            hit = self._packed[id(module)] = (module.weight, module.weight._version, pack_linear(src))
         return hit[2]
 
     @property

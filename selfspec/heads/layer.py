@@ -58,9 +58,9 @@ class DecoderLayerHead(CachedHead):
 
     @property
     def draft_weights(self) -> str:
-        """The type the block's matrices are drafted with on the fast backend: Q8_0 when the target itself runs
-        block-quantized weights (a quarter of float32's bytes: the head is read once per draft token), else
-        float32. Only the draft changes; verification, hence the output, does not."""
+        """The type the block's matrices (and a deep head's fuse, ``linear``) are drafted with on the fast backend:
+        Q8_0 when the target itself runs block-quantized weights (a quarter of float32's bytes: the head is read
+        once per draft token), else float32. Only the draft changes; verification, hence the output, does not."""
         return "Q8_0" if self.split.backend == "fast" and self.split.quantized else "float32"
 
     def prepare(self) -> None:
