@@ -116,6 +116,14 @@ class DraftConfig:
         "0: off. With gamma=None the length is chosen from measured costs and lookup acceptance.",
     )
     lookup_ngram: int = opt(3, "Longest n-gram matched for lookup drafts (down to 2).")
+    explore: bool = opt(
+        False,
+        "When the self-tuning calibration finds that no early-exit draft pays on this machine (its draft cap is "
+        "0): True still lets the Thompson policy try one-token drafts whenever a draw says they may pay (EESD's "
+        "exploration: each try costs a head call and a round's overhead, and each request starts from the "
+        "prior again); False leaves drafting to lookup alone and the head never runs. Measured on Spec-Bench "
+        "(docs/BENCHMARKS.md, eighth session): see docs/ADAPTIVE.md.",
+    )
     tree_width: int | None = opt(
         None,
         "Token trees (selfspec/drafting/tree.py): draft this many nodes per depth, chosen by path score "

@@ -327,6 +327,20 @@ def test_an_exit_that_never_agrees_tunes_down_to_plain_decoding():
     assert out.token_ids == hf_greedy(ss.model, prompt_of(9, 4), 40)
 
 
+def test_when_no_early_exit_draft_pays_only_lookup_drafts_unless_exploring():
+    """The same exit that never agrees, with lookup on: by default (explore=False) the head never drafts (every
+    round is a lookup block or a plain step); explore=True lets Thompson try one-token drafts. Both lossless."""
+    ss = SelfSpec(tiny_model("qwen2"), tiny_tokenizer(), DraftConfig(head="lm", exit_layer=1))
+    assert ss.tuning_result.gamma == 0 and not ss.engine.drafter.head_drafts
+    prompt = prompt_of(9, 4) * 3  # repeats: lookup has matches
+    ref = hf_greedy(ss.model, prompt, 40)
+    out = ss.generate(prompt, max_new_tokens=40, ignore_eos=True)
+    assert out.token_ids == ref and out.stats.draft_depths == {}
+    ss.set_draft(DraftConfig(head="lm", exit_layer=1, explore=True))
+    assert ss.engine.drafter.head_drafts
+    assert ss.generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids == ref
+
+
 def test_tune_command_prints_the_calibration(tmp_path, capsys):
     from selfspec.cli import main
 

@@ -150,6 +150,10 @@ def _convert(name: str, value: str) -> Any:
     if value.lower() in ("none", "null") and "None" in str(f.type):
         return None
     t = str(f.type)
+    if t.startswith("bool"):
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            raise InvalidConfigError(f"selfspec setting {name}={value!r} is not true or false")
+        return value.lower() in ("true", "1", "yes", "on")
     try:
         if t.startswith("int"):
             return int(value)

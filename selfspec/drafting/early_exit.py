@@ -41,11 +41,14 @@ from selfspec.state import SequenceState
 
 class EarlyExitDrafter(BaseDrafter):
     def __init__(self, split: SplitModel, head: ExitHead, policy: DraftPolicy, lookup: int = 0,
-                 lookup_ngram: int = 3, lookup_policy: DraftPolicy | None = None) -> None:
+                 lookup_ngram: int = 3, lookup_policy: DraftPolicy | None = None, head_drafts: bool = True) -> None:
         self.split, self.head, self.policy = split, head, policy
         self.exit_layer = head.exit_layer
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
         self.lookup_policy: DraftPolicy = lookup_policy or FixedPolicy()
+        # False: only lookup drafts (a calibration found no early-exit draft that pays, DraftConfig.explore);
+        # the head never runs, a round without a lookup match is a plain step
+        self.head_drafts = head_drafts
 
     def begin(self, seq: SequenceState, seed: int | None) -> None:
         """Before a request's prefill: its own policy state (seeded) and its first exit depth."""
@@ -56,8 +59,9 @@ class EarlyExitDrafter(BaseDrafter):
         return seq.policy if seq.policy is not None else self.policy
 
     def max_drafts(self, seq: SequenceState, gamma: int) -> int:
-        """This round's most drafts: the sequence's policy decides (at the start of every round)."""
-        return self.policy_of(seq).max_drafts(gamma)
+        """This round's most drafts: the sequence's policy decides (at the start of every round); none when the
+        head does not draft (lookup blocks are capped by their own policy)."""
+        return self.policy_of(seq).max_drafts(gamma) if self.head_drafts else 0
 
     def depth_of(self, seq: SequenceState) -> int:
         """The exit depth of ``seq``'s next round (the head's own layer unless a depth policy chose another)."""
@@ -162,7 +166,8 @@ class EarlyExitDrafter(BaseDrafter):
             block = self._lookup(seq, max_drafts if limit is None else limit)
             if block is not None:
                 return block
-        return self.propose_chains([seq], [max_drafts], [gen], [k])[0]
+        # without head drafts, a block of no drafts (the pending token's exit state: the head does not run)
+        return self.propose_chains([seq], [max_drafts if self.head_drafts else 0], [gen], [k])[0]
 
     def propose_chains(self, seqs: list[SequenceState], max_drafts: list[int], gens: list[GenerateConfig],
                        depths: list[int] | None = None) -> list[DraftBlock]:
@@ -247,8 +252,10 @@ class EarlyExitDrafter(BaseDrafter):
         accepted path passes the depth the tree was drafted to). ``observe=False``: a verdict the pipeline
         only supposes, to draft ahead (the policies learn nothing from it)."""
         policy = self.lookup_policy if block.source == "lookup" else self.policy_of(seq)
-        if observe:
+        if observe and (self.head_drafts or block.source == "lookup"):
             policy.observe(len(block.tokens) if proposed is None else proposed, num_accepted)
+        if not self.head_drafts:
+            return
         if self.head.needs_context:
             assert final_states is not None, "a deep-context head keeps the verified final states"
             self._store_finals(seq, block.start, final_states[0, : num_accepted + 1])

@@ -59,7 +59,10 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
         threshold = tuning.threshold if tuning is not None else 0.5
         draft = replace(draft, threshold=threshold)
     policy, gamma, lookup_policy = _policies(ss, head, draft, name, threshold, tuning)
-    drafter = EarlyExitDrafter(ss.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy)
+    # a calibration that found no early-exit draft paying: lookup alone, unless the user wants exploration
+    head_drafts = not (tuning is not None and tuning.gamma == 0 and draft.gamma is None and not draft.explore
+                       and draft.lookup > 0)
+    drafter = EarlyExitDrafter(ss.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy, head_drafts)
     return drafter, gamma, replace(draft, exit_layer=head.exit_layer, policy=name), tuning
 
 
