@@ -28,7 +28,7 @@ from selfspec.models.split import Ride, SplitModel
 from selfspec.sampling import logits_to_probs, pick
 from selfspec.state import SequenceState
 from selfspec.stats import GenerationStats
-from selfspec.verify import greedy_tree_verify, greedy_verify, speculative_verify, tree_sample_verify
+from selfspec.verify import greedy_tree_verify, speculative_verify, tree_sample_verify
 
 
 def prefill(split: SplitModel, seq: SequenceState, prompt_ids: list[int], gen: GenerateConfig,
@@ -77,16 +77,17 @@ def verify_chain(gen: GenerateConfig, drafts: list[int], draft_probs: torch.Tens
     """The target's verdict on a chain: greedy (longest agreeing prefix) or speculative sampling (exactly the
     target's distribution). ``draft_probs`` ``# [g, vocab]`` (None: greedy drafts, one-hot under sampling),
     ``target_logits`` ``# [1, g + 1, vocab]``. -> (accepted m, recovered or bonus token)."""
+    if gen.greedy:  # the longest prefix equal to the target's argmax, then its argmax (greedy_verify, batch 1)
+        target_ids = target_logits[0].argmax(-1).tolist()  # [g + 1]
+        m = next((i for i, t in enumerate(drafts) if t != target_ids[i]), len(drafts))
+        return m, target_ids[m]
     d = torch.tensor([drafts], dtype=torch.long, device=target_logits.device)  # [1, g]
-    if gen.greedy:
-        res = greedy_verify(d, target_logits)
-    else:
-        target_probs = logits_to_probs(target_logits, gen.temperature, gen.top_k, gen.top_p)
-        if draft_probs is not None:
-            q = draft_probs.unsqueeze(0)  # [1, g, vocab]
-        else:  # greedy (one-hot) drafts under sampling: still exactly lossless
-            q = F.one_hot(d, target_logits.shape[-1]).to(target_probs.dtype)
-        res = speculative_verify(d, q, target_probs, generator)
+    target_probs = logits_to_probs(target_logits, gen.temperature, gen.top_k, gen.top_p)
+    if draft_probs is not None:
+        q = draft_probs.unsqueeze(0)  # [1, g, vocab]
+    else:  # greedy (one-hot) drafts under sampling: still exactly lossless
+        q = F.one_hot(d, target_logits.shape[-1]).to(target_probs.dtype)
+    res = speculative_verify(d, q, target_probs, generator)
     return int(res.num_accepted[0]), int(res.next_token[0])
 
 

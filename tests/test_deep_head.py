@@ -79,15 +79,15 @@ def test_deep_head_state_matches_a_fresh_forward(lookup):
     ss, head = deep_ss("llama", 2, lookup=lookup, seed=1)
     drafter, split = ss.engine.drafter, ss.split
     seen: list[tuple[int, torch.Tensor]] = []
-    inner = drafter._deep_logits
+    inner = drafter._deep_features
 
-    def spy(seq, h, pos, f_prev):
-        logits, f_hat = inner(seq, h, pos, f_prev)
-        if f_prev is None:
-            seen.append((pos, logits.clone()))
-        return logits, f_hat
+    def spy(seq, h, f_prev):
+        f_hat = inner(seq, h, f_prev)
+        if f_prev is None:  # a round's first draft: at the pending token's position
+            seen.append((seq.length, head.logits_of(f_hat)[0, -1].clone()))
+        return f_hat
 
-    drafter._deep_logits = spy
+    drafter._deep_features = spy
     prompt = [5, 6, 7, 5, 6, 7, 5, 6] if lookup else prompt_of(7, 4)
     out = ss.generate(prompt, max_new_tokens=NEW)
     assert out.token_ids == hf_greedy(ss.model, prompt, NEW)

@@ -94,6 +94,15 @@ def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_pat
     assert report["heldout_after"]["ce"] < report["heldout_before"]["ce"]
     loaded = load_head(cfg.out, ss.split)
     assert loaded.kind == "deep" and len(loaded.vocab_ids) == 40
+    with torch.inference_mode():  # a greedy draft picks from the 40 rows' logits: the same token and confidence
+        f = torch.randn(4, 1, ss.split.hidden_size)
+        part, ids = loaded.logits_part_of(f)
+        full = loaded.logits_of(f)
+        assert torch.equal(ids[part.argmax(-1)], full.argmax(-1))
+        assert torch.allclose(part.softmax(-1).amax(-1), full.softmax(-1).amax(-1))
+        tie = torch.zeros(40)  # ties: the first maximum is the lowest id either way
+        spread = torch.full((ss.split.vocab_size,), float("-inf")).index_copy_(0, ids, tie)
+        assert int(ids[tie.argmax()]) == int(spread.argmax())
     ss.set_draft(DraftConfig(head=cfg.out, gamma=3, lookup=0))
     prompt = ss.encode([{"role": "user", "content": "the cat sat on"}])
     out = ss.generate(prompt, max_new_tokens=20)

@@ -128,7 +128,7 @@ def test_pipelined_sampling_keeps_the_distribution(monkeypatch):
     from selfspec import round as core  # the deep stage verifies with the round core's verify_chain
 
     def accept_all(drafts, q, target, generator):  # a broken verifier: every (greedy) draft accepted
-        res = core.greedy_verify(drafts, target)
+        res = greedy_verify(drafts, target)
         res.num_accepted[:] = drafts.shape[1]
         res.next_token[:] = torch.multinomial(target[0, -1], 1, generator=generator)
         return res
@@ -176,18 +176,19 @@ def test_a_deep_process_that_cannot_start_is_a_clear_error():
 
 
 def test_a_deep_thread_that_raises_is_a_clear_error(monkeypatch):
-    from selfspec import round as core  # the deep stage verifies with the round core's verify_chain
+    from selfspec.pipeline import deep  # the deep stage verifies with the round core's verify_chain
 
     ss = exit_ss("llama")
     calls = []
+    verify_chain = deep.verify_chain
 
-    def flaky(drafts, logits):
+    def flaky(*args):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected failure")
-        return greedy_verify(drafts, logits)
+        return verify_chain(*args)
 
-    monkeypatch.setattr(core, "greedy_verify", flaky)
+    monkeypatch.setattr(deep, "verify_chain", flaky)
     pipe = Pipeline.of(ss, PipelineConfig(transport="thread", gamma=1, timeout=30))
     with pytest.raises(PipelineError, match="injected failure"):
         pipe.generate(prompt_of(3, 8), max_new_tokens=40)

@@ -104,18 +104,23 @@ class EarlyExitDrafter(BaseDrafter):
             finals = seq.extras["finals"] = torch.cat([finals, finals.new_zeros(end, finals.shape[1])])
         finals[start + 1 : end] = states
 
-    def _deep_logits(self, seq: SequenceState, h: torch.Tensor, pos: int,
-                     f_prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits ``# [vocab]`` for the token after position ``pos`` and the predicted final state
-        ``# [1, 1, hidden]`` there. ``f_prev``: the predicted final state of ``pos - 1`` when that token
-        is itself a draft (None: it is verified, its true final state is stored)."""
+    def _deep_features(self, seq: SequenceState, h: torch.Tensor, f_prev: torch.Tensor | None) -> torch.Tensor:
+        """The predicted final state ``# [1, 1, hidden]`` at the position of exit state ``h`` (the head catches up
+        on its backlog first). ``f_prev``: the predicted final state of the position before when that token is
+        itself a draft (None: it is verified, its true final state is stored)."""
         start, h = self._with_backlog(seq, self._project(h, self.depth_of(seq)))
         n = h.shape[1]
         ctx = seq.extras["finals"][start : start + n].unsqueeze(0)  # [1, n, hidden]: positions start - 1 ...
         if f_prev is not None:
             ctx = ctx.clone()
             ctx[:, -1] = f_prev[:, -1]
-        f_hat = self.head.features(h, ctx, seq.positions(start, n), seq.head_state)[:, -1:]
+        return self.head.features(h, ctx, seq.positions(start, n), seq.head_state)[:, -1:]
+
+    def _deep_logits(self, seq: SequenceState, h: torch.Tensor, pos: int,
+                     f_prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits ``# [vocab]`` for the token after position ``pos`` and the predicted final state
+        ``# [1, 1, hidden]`` there (``_deep_features``)."""
+        f_hat = self._deep_features(seq, h, f_prev)
         return self.head.logits_of(f_hat)[0, -1], f_hat
 
     def _head_logits(self, seq: SequenceState, h: torch.Tensor, pos: int) -> torch.Tensor:  # -> [vocab]
@@ -299,8 +304,13 @@ class _Chain:
             self.done = True
             return
         if d.head.needs_context:
-            logits, self.f_hat = d._deep_logits(seq, h, self.p + i, self.f_hat)
+            self.f_hat = d._deep_features(seq, h, self.f_hat)
             self.f_hats.append(self.f_hat)
+            if not self.sampled:  # greedy: pick from the drafted vocabulary's logits as they come (lm_part)
+                part, ids = d.head.logits_part_of(self.f_hat)
+                self._pick(i, part[0, -1], ids)
+                return
+            logits = d.head.logits_of(self.f_hat)[0, -1]
         else:
             logits = d._head_logits(seq, h, self.p + i)
         if self.sampled:
@@ -316,6 +326,18 @@ class _Chain:
         self.tokens.append(self.tok)
         if q is not None:
             self.probs.append(q)
+
+    def _pick(self, i: int, logits: torch.Tensor, ids: torch.Tensor | None) -> None:
+        """A greedy draft from ``logits`` ``# [n]`` over the token ids ``ids`` ``# [n]`` (ascending; None: the
+        whole vocabulary): the same token and confidence as from the logits spread over the whole vocabulary
+        with -inf elsewhere (the first maximum is the lowest id either way), without spreading them."""
+        conf = float(torch.softmax(logits, -1).max()) if self.want_conf else 1.0
+        if not self.policy.keep(i, conf):
+            self.done = True
+            return
+        j = int(greedy(logits))
+        self.tok = int(ids[j]) if ids is not None else j
+        self.tokens.append(self.tok)
 
     def block(self) -> DraftBlock:
         return DraftBlock(self.tokens, torch.stack(self.probs) if self.probs else None, torch.cat(self.states, dim=1),

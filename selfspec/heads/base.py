@@ -139,17 +139,26 @@ class ExitHead(nn.Module):
             with torch.inference_mode():
                 self._trim_lm = self.split.lm_head_part(self.vocab_ids)
 
-    def lm_logits(self, x_normed: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] float32
-        """The frozen LM head on normed states (over the trimmed vocabulary when one is set)."""
+    def lm_part(self, x_normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The frozen LM head on normed states ``# [..., hidden]`` over the drafted vocabulary only: (logits
+        ``# [..., n]`` float32, their token ids ``# [n]``, ascending), or (full logits, None) when nothing is trimmed.
+        A greedy draft picks from these directly (``DraftPick``), without spreading them over the whole vocabulary."""
         if len(self.vocab_ids) == 0:
-            return self.split.head_logits(x_normed)
+            return self.split.head_logits(x_normed), None
         if self._trim_lm is None or self._trim_lm.device != x_normed.device:
             self._trim_lm = self.split.lm_head_part(self.vocab_ids)
         part = self._trim_lm(x_normed)
         if self.split.softcap is not None:
             part = torch.tanh(part / self.split.softcap) * self.split.softcap
-        out = part.new_full((*part.shape[:-1], self.split.vocab_size), float("-inf"), dtype=torch.float32)
-        return out.index_copy_(-1, self.vocab_ids, part.float())
+        return part.float(), self.vocab_ids
+
+    def lm_logits(self, x_normed: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] float32
+        """The frozen LM head on normed states (over the trimmed vocabulary when one is set: -inf elsewhere)."""
+        part, ids = self.lm_part(x_normed)
+        if ids is None:
+            return part
+        out = part.new_full((*part.shape[:-1], self.split.vocab_size), float("-inf"))
+        return out.index_copy_(-1, ids, part)
 
     def init_from_target(self) -> None:
         """A trainable head: start from the target's own weights (before training)."""
@@ -184,6 +193,10 @@ class ExitHead(nn.Module):
 
     def logits_of(self, f_hat: torch.Tensor) -> torch.Tensor:
         """Draft logits ``# [..., vocab]`` float32 from predicted final states."""
+        raise NotImplementedError(f"{type(self).__name__} reads no context")
+
+    def logits_part_of(self, f_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``logits_of`` over the drafted vocabulary only: (logits ``# [..., n]``, their ids or None, ``lm_part``)."""
         raise NotImplementedError(f"{type(self).__name__} reads no context")
 
 

@@ -69,6 +69,10 @@ class DeepContextHead(DecoderLayerHead):
     def logits_of(self, f_hat: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] float32
         return self.lm_logits(self.norm_out(f_hat))
 
+    def logits_part_of(self, f_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``logits_of`` over the drafted vocabulary only (``lm_part``): (logits ``# [..., n]``, ids or None)."""
+        return self.lm_part(self.norm_out(f_hat))
+
     def forward(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for every row; without ``context`` the previous final states count as zeros."""
