@@ -83,8 +83,7 @@ class Tuning:
 
     def with_overhead(self, costs: DraftCosts) -> DraftCosts:
         """``costs`` with the round overhead this calibration measured (at the head's own depth, used for all)."""
-        return replace(costs, t_round=self.overhead_ms.get("round", 0.0) / 1e3,
-                       t_per_draft=self.overhead_ms.get("per_draft", 0.0) / 1e3)
+        return with_overhead(costs, self.overhead_ms)
 
     def prior(self, depth: int, width: int | None = None) -> list[float]:
         return self.acceptance.get(f"{depth}/{self.tree_width if width is None else width}", [0.35])
@@ -132,7 +131,7 @@ class _Recorder(FixedPolicy):
     def __init__(self, depth: int, n: int) -> None:
         self.depth, self.n = depth, n
         self.rounds: list[tuple[list[float], int]] = []
-        self.seconds: list[float] = []  # each round's wall time (record_rounds), aligned with ``rounds``
+        self.seconds: list[float] = []  # each round's wall time (round_overhead), aligned with ``rounds``
         self._confs: list[float] = []
 
     def max_drafts(self, gamma: int) -> int:
@@ -195,20 +194,20 @@ def calibration_prompts(tokenizer: Any, vocab_size: int) -> list[list[int]]:
     return out
 
 
-def _recording(split: SplitModel, head: ExitHead, depth: int, width: int, cap: int) -> tuple[Engine, _Recorder]:
-    """An engine drafting fixed rounds of ``cap`` drafts at ``depth`` (chains, or trees of ``width``), and its recorder."""
-    rec = _Recorder(depth, cap)
-    return Engine(split, EarlyExitDrafter(split, head, rec, lookup=0), gamma=cap, tree_width=width), rec
+def with_overhead(costs: DraftCosts, overhead_ms: dict[str, float]) -> DraftCosts:
+    """``costs`` with a measured round overhead (``round_overhead``'s ms: 'round' and 'per_draft')."""
+    return replace(costs, t_round=overhead_ms.get("round", 0.0) / 1e3, t_per_draft=overhead_ms.get("per_draft", 0.0) / 1e3)
 
 
-def _decode(engine: Engine, ids: list[int], new_tokens: int, seconds: list[float], method: str = "selfspec") -> None:
-    """Decode ``ids`` greedily (``new_tokens``, past EOS), appending each round's wall time (not the prefill's)."""
-    gen = GenerateConfig(max_new_tokens=new_tokens, ignore_eos=True, method=method)
+def _decode(engine: Engine, ids: list[int], new_tokens: int, seconds: list[float] | None = None) -> None:
+    """Decode ``ids`` greedily (``new_tokens``, past EOS); with ``seconds``, append each round's wall time (not the
+    prefill's)."""
+    gen = GenerateConfig(max_new_tokens=new_tokens, ignore_eos=True)
     room = engine.split.context_length - new_tokens - 1
     t = None
     for _ in engine.generate_tokens(ids[-room:], gen):
         now = time.perf_counter()
-        if t is not None:
+        if t is not None and seconds is not None:
             seconds.append(now - t)
         t = now
 
@@ -219,9 +218,10 @@ def record_rounds(split: SplitModel, head: ExitHead, depth: int, width: int, pro
     """Decode ``prompts`` greedily with fixed drafts at ``depth`` (chains, or trees of ``width``), recording
     every round's confidences and accepted count."""
     cap = CHAIN_CAP if width <= 1 else min(TREE_CAP, max(1, (MAX_TREE_NODES - 1) // width))
-    engine, rec = _recording(split, head, depth, width, cap)
+    rec = _Recorder(depth, cap)
+    engine = Engine(split, EarlyExitDrafter(split, head, rec, lookup=0), gamma=cap, tree_width=width)
     for ids in prompts:
-        _decode(engine, ids, new_tokens, rec.seconds)
+        _decode(engine, ids, new_tokens)
     return rec
 
 
@@ -301,8 +301,7 @@ def calibrate(split: SplitModel, head: ExitHead, tokenizer: Any = None, new_toke
     k = head.exit_layer if head.exit_layer in depths else depths[0]
     overhead = round_overhead(split, head, costs[k], prompts[:OVERHEAD_PROMPTS], new_tokens)
     bar.update()
-    costs = {d: replace(c, t_round=overhead["round"] / 1e3, t_per_draft=overhead["per_draft"] / 1e3)
-             for d, c in costs.items()}
+    costs = {d: with_overhead(c, overhead) for d, c in costs.items()}
     for d in depths:
         for w in widths:
             rec = record_rounds(split, head, d, w, prompts, new_tokens)

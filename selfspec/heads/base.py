@@ -30,6 +30,15 @@ from selfspec.quant.convert import quantize_weight
 from selfspec.quant.modules import QuantLinear
 
 
+def quantized_linear(module: nn.Linear, type_name: str) -> nn.Module:
+    """``module`` with ``type_name`` block-quantized weights (a QuantLinear, what the kernels pack), or ``module``
+    itself when its input width takes no blocks of 32 or the type is float32 (a head's draft weights)."""
+    if type_name == "float32" or module.in_features % 32 != 0:
+        return module
+    bias = None if module.bias is None else module.bias.detach().float()
+    return QuantLinear(quantize_weight(module.weight, type_name), bias)
+
+
 def model_fingerprint(split: SplitModel) -> dict[str, Any]:
     """What a trained head must agree with to be loaded into a model."""
     c = split.config
@@ -104,11 +113,8 @@ class ExitHead(nn.Module):
             return module
         hit = self._packed.get(id(module))
         if hit is None or hit[0] is not module.weight or hit[1] != module.weight._version:
-            src: Any = module
-            if self.draft_weights != "float32" and module.in_features % 32 == 0:
-                bias = None if module.bias is None else module.bias.detach().float()
-                src = QuantLinear(quantize_weight(module.weight, self.draft_weights), bias)
-            hit = self._packed[id(module)] = (module.weight, module.weight._version, pack_linear(src))
+            packed = pack_linear(quantized_linear(module, self.draft_weights))
+            hit = self._packed[id(module)] = (module.weight, module.weight._version, packed)
         return hit[2]
 
     @property
@@ -142,7 +148,8 @@ class ExitHead(nn.Module):
     def lm_part(self, x_normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen LM head on normed states ``# [..., hidden]`` over the drafted vocabulary only: (logits
         ``# [..., n]`` float32, their token ids ``# [n]``, ascending), or (full logits, None) when nothing is trimmed.
-        A greedy draft picks from these directly (``DraftPick``), without spreading them over the whole vocabulary."""
+        A greedy draft picks from these directly (``drafting.early_exit``), without spreading them over the whole
+        vocabulary."""
         if len(self.vocab_ids) == 0:
             return self.split.head_logits(x_normed), None
         if self._trim_lm is None or self._trim_lm.device != x_normed.device:

@@ -17,24 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from selfspec.heads.base import CachedHead
+from selfspec.heads.base import CachedHead, quantized_linear
 from selfspec.heads.kangaroo import RMSNorm
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Rotary
 from selfspec.models.split import SplitModel, TreeAttention, block_mask, causal_mask
-from selfspec.quant.convert import quantize_weight
-from selfspec.quant.modules import QuantLinear, dequantized_copy
+from selfspec.quant.modules import dequantized_copy
 
 
 def quantized_block(block: nn.Module, type_name: str) -> nn.Module:
     """A copy of ``block`` whose linear layers hold ``type_name`` block-quantized weights (what FastLayer packs)."""
     out = copy.deepcopy(block)
     for name, module in list(out.named_modules()):
-        if isinstance(module, nn.Linear) and module.in_features % 32 == 0:
+        if isinstance(module, nn.Linear):  # (kept as it is when its input width takes no blocks)
             parent, _, child = name.rpartition(".")
-            bias = None if module.bias is None else module.bias.detach().float()
-            setattr(out.get_submodule(parent) if parent else out, child,
-                    QuantLinear(quantize_weight(module.weight, type_name), bias))
+            setattr(out.get_submodule(parent) if parent else out, child, quantized_linear(module, type_name))
     return out
 
 
