@@ -3,6 +3,8 @@ with them as dequantize + F.linear does (rows 1-64, odd shapes, bias, accumulate
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
 from selfspec.kernels.build import built_extension
 from selfspec.quant import weight
 from selfspec.quant.formats import FORMATS, UnsupportedQuantError, check_type, decode, reference_values
-from selfspec.quant.weight import GEMM_ROWS, QuantWeight
+from selfspec.quant.weight import GEMM_ROWS, PANEL_ROWS, PREFILL_PATHS, QuantWeight
 
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf-py quantizes these
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]  # random blocks with finite scales
@@ -51,12 +53,18 @@ def test_decode_is_gguf_dequantize_bit_for_bit(type_name):
     np.testing.assert_array_equal(s2, scales)
 
 
+ROW_COUNTS = [1, 2, 3, 5, 8, 13, 16, 17, 40, 64, GEMM_ROWS, GEMM_ROWS + 37]
+
+
 @pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 40, 64, GEMM_ROWS, GEMM_ROWS + 37])
-def test_kernel_matches_dequantize_linear(type_name, rows, monkeypatch):
+@pytest.mark.parametrize(("rows", "way"), [(r, w) for r in ROW_COUNTS for w in PREFILL_PATHS
+                                           if w == "kernel" or r >= PANEL_ROWS])
+def test_kernel_matches_dequantize_linear(type_name, rows, way, monkeypatch):
+    """Every way of multiplying (the kernel; for a prefill's rows panels or torch's GEMM on tiles, whatever this
+    machine measured) gives the dequantized weight's product, bias, an output slice and accumulation included."""
     n, k = 53, 256 * 3  # an odd N (padding rows), K of three super-blocks
     monkeypatch.setattr(weight, "GEMM_TILE", k * 16 * 2)  # a prefill's GEMM in tiles of two blocks (32 rows)
-    monkeypatch.setattr(weight, "_gemm_rows", GEMM_ROWS)  # the GEMM path whatever this machine measured
+    monkeypatch.setattr(weight, "prefill_path", lambda type_name: way)
     raw = random_tensor(type_name, n, k, seed=rows)
     qw = QuantWeight.from_gguf(raw, type_name, k)
     w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
@@ -85,16 +93,19 @@ def test_prefill_tiles_are_the_dequantized_weights_bit_for_bit(type_name):
         built_extension().qdense_t(*qw.kernel_args(), 2, 5, torch.empty(512, 48))
 
 
-def test_gemm_rows_is_measured_once_and_cached(tmp_path, monkeypatch):
+def test_prefill_path_is_measured_once_per_type_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(weight, "_gemm_rows", None)
-    first = weight.gemm_rows()
-    assert first in (GEMM_ROWS, 1 << 62)
+    monkeypatch.setattr(weight, "_prefill_paths", {})
+    assert weight.prefill_path("Q4_K") in PREFILL_PATHS
     entry = next((tmp_path / "prefill").glob("*.json"))
-    assert '"kernel_ms"' in entry.read_text()
-    monkeypatch.setattr(weight, "_gemm_rows", None)
-    entry.write_text('{"gemm_rows": 777}')  # read back, not measured again
-    assert weight.gemm_rows() == 777
+    assert set(json.loads(entry.read_text())["ms"]) == set(PREFILL_PATHS)  # all three timed
+    monkeypatch.setattr(weight, "_prefill_paths", {})
+    entry.write_text('{"path": "torch"}')  # read back, not measured again
+    assert weight.prefill_path("Q4_K") == "torch"
+    entry.write_text('{"path": "nonsense"}')  # a damaged entry is measured again
+    monkeypatch.setattr(weight, "_prefill_paths", {})
+    assert weight.prefill_path("Q4_K") in PREFILL_PATHS
+    assert len(list((tmp_path / "prefill").glob("*.json"))) == 1
 
 
 def test_select_and_concat_keep_rows():

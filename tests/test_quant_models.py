@@ -55,7 +55,7 @@ def k_quant_model(type_name: str):
 
 
 def check_lossless(model, trees: bool = True) -> None:
-    """A short prompt (the kernels' prefill) and one past GEMM_ROWS (the GEMM prefill, forced on whatever this
+    """A short prompt (the kernels' prefill) and one past GEMM_ROWS (the GEMM or panel prefill, forced whatever this
     machine measured): plain and speculative decoding equal transformers' greedy generate."""
     ss = SelfSpec(model, None)
     assert ss.split.kernel == "selfspec-quant"
@@ -68,10 +68,11 @@ def check_lossless(model, trees: bool = True) -> None:
                 assert ss.generate(prompt, max_new_tokens=NEW).token_ids == ref, (len(prompt), k, gamma, tree)
 
 
-@pytest.fixture
-def gemm_prefill(monkeypatch):
-    """Prefills of GEMM_ROWS rows or more take the GEMM path, whatever this machine measured."""
-    monkeypatch.setattr(weight, "_gemm_rows", GEMM_ROWS)
+@pytest.fixture(params=["panels", "torch"])
+def gemm_prefill(monkeypatch, request):
+    """Prefills of PANEL_ROWS rows or more take the panels, or from GEMM_ROWS torch's GEMM on tiles, whatever this
+    machine measured."""
+    monkeypatch.setattr(weight, "prefill_path", lambda type_name: request.param)
 
 
 @pytest.mark.parametrize("type_name", QUANTIZE_TYPES)

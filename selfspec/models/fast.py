@@ -139,11 +139,15 @@ class FastLayer:
         )
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int,
-              mask: torch.Tensor | None) -> torch.Tensor:  # q [b, n, hq, d] -> [b, n, hq * d]
+              mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:  # q [b, n, hq, d] -> [b, n, hq * d]
+        """Attention of ``q`` over the first ``end`` cache entries under ``mask``; ``causal``: the rows are the whole
+        sequence from position 0 and the mask plain causal, so SDPA's own causal form replaces it (its CPU flash
+        kernel then skips the blocks above the diagonal: a 700-token prefill of the 0.5B model spent 380 ms in
+        attention with the mask, half the work being masked out)."""
         b, n, hq, d = q.shape
         a = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-            scale=self.scaling, enable_gqa=hq != self.num_kv_heads,
+            q.transpose(1, 2), keys[:, :, :end], values[:, :, :end], attn_mask=None if causal else mask,
+            is_causal=causal, scale=self.scaling, enable_gqa=hq != self.num_kv_heads,
         )  # [b, hq, n, d]
         return a.transpose(1, 2).reshape(b, n, hq * d)
 
@@ -226,7 +230,12 @@ class FastLayer:
         end = seg.start + n
         seg.keys[:, :, seg.start : end] = k.transpose(1, 2)
         seg.values[:, :, seg.start : end] = heads[:, :, hq + hkv :].transpose(1, 2)
-        return self._sdpa(q, seg.keys, seg.values, end, seg.mask)
+        return self._sdpa(q, seg.keys, seg.values, end, seg.mask, self._from_zero(seg, n))
+
+    def _from_zero(self, seg: Segment, n: int) -> bool:
+        """Whether ``seg``'s ``n`` rows are a causal sequence from position 0 within this layer's window (a prefill):
+        its mask is then exactly SDPA's ``is_causal``."""
+        return seg.causal and seg.start == 0 and n > 1 and (not self.window or n <= self.window)
 
     def _mlp(self, h: torch.Tensor, a: torch.Tensor, fused: bool) -> torch.Tensor:
         """o_proj into the residual, then the MLP (sandwich norms for Gemma); ``h`` updated in place."""

@@ -29,45 +29,53 @@ from selfspec.timing import time_call
 _NO_BIAS = torch.empty(0)
 LANES = 16  # output rows per packed block (one vector register of float32 on AVX-512)
 KERNEL_ROWS = 16  # x-rows per kernel call: the kernel keeps one accumulator per x-row and lane vector
-# From this many x-rows on (a prefill) the float32 mode may dequantize tiles of the weight once and multiply them
-# with torch's GEMM instead of decoding every weight again for each 16 rows: 1.3-1.6x faster from 256 rows on an
-# Intel Xeon, while on an AMD Zen 5 the kernel beat torch's GEMM. So which one runs is measured once per machine
-# (``gemm_rows``). Same weights either way, so the same target; the int8 mode keeps its kernel.
+# A prefill multiplies hundreds of x-rows by every weight, so its cost is multiply-adds, not reading weights; the
+# decoding kernel then spends a third of its time decoding every weight again for each tile of 8 rows. Two other
+# ways decode each weight once per many rows: panels (``qgemm`` in quant.cpp: a panel of 32 output rows x 256
+# columns dequantized into a cache-resident buffer, register tiles of 12 x-rows x 32 outputs against it) from
+# PANEL_ROWS rows, and tiles of W^T dequantized for torch's GEMM from GEMM_ROWS rows. Which one is fastest depends
+# on the CPU and the weight type (an Intel Xeon: torch's GEMM 1.3-1.6x the kernel from 256 rows; an AMD Zen 5:
+# panels 1.1-1.2x the kernel on Q5_0 / Q4_K / Q6_K, level on Q4_0, torch's GEMM slowest), so it is measured once
+# per machine and type (``prefill_path``). Same weights every way, so the same target; the int8 mode keeps its kernel.
+PANEL_ROWS = 32
 GEMM_ROWS = 128
 GEMM_TILE = 1 << 20  # float32 weights per dequantized tile (4 MB: stays in cache while the GEMM reads it)
-PROBE = ("Q4_0", 4096, 1024, 256)  # the probe: type, N, K, x-rows
-_gemm_rows: int | None = None  # this process's answer (tests may set it)
+PREFILL_PATHS = ("kernel", "panels", "torch")
+PROBE = (4096, 1024, 256)  # the probe weight of each type: N, K, x-rows
+_prefill_paths: dict[str, str] = {}  # this process's answers by weight type
 
 
-def gemm_rows() -> int:
-    """From how many x-rows ``matmul`` takes the GEMM path on this machine: GEMM_ROWS when dequantized tiles
-    + torch's GEMM beat the kernel on the PROBE weight, else never (a huge number). Measured once per machine
-    (its CPU, torch, thread count and kernels; ~0.2 s) and cached in ``cache_root()/prefill``."""
-    global _gemm_rows
-    if _gemm_rows is None:
-        _gemm_rows = _measured_gemm_rows()
-    return _gemm_rows
+def prefill_path(type_name: str) -> str:
+    """How ``matmul`` multiplies PANEL_ROWS or more x-rows by a weight of ``type_name`` on this machine: "kernel",
+    "panels" or "torch" (PREFILL_PATHS), whichever was fastest on a PROBE weight of that type. Measured once per
+    machine (its CPU, torch, thread count and kernels; ~0.2 s a type) and cached in ``cache_root()/prefill``."""
+    if type_name not in _prefill_paths:
+        _prefill_paths[type_name] = _measured_prefill_path(type_name)
+    return _prefill_paths[type_name]
 
 
-def _measured_gemm_rows() -> int:
-    key = json.dumps([cpu_flags(), torch.__version__, torch.get_num_threads(), kernel_source_hash(), PROBE])
+def _measured_prefill_path(type_name: str) -> str:
+    key = json.dumps([cpu_flags(), torch.__version__, torch.get_num_threads(), kernel_source_hash(), type_name, PROBE])
     path = cache_root() / "prefill" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
-        return int(json.loads(path.read_text())["gemm_rows"])
+        answer = json.loads(path.read_text())["path"]
+        if answer in PREFILL_PATHS:
+            return str(answer)
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    type_name, n, k, rows = PROBE
+    n, k, rows = PROBE
     fmt = FORMATS[type_name]
     rng = np.random.default_rng(0)
+    offsets = rng.random((n, k // fmt.group), dtype=np.float32) if fmt.offset else None
     w = QuantWeight.from_codes(type_name, rng.integers(0, 1 << fmt.bits, (n, k), dtype=np.uint8),
-                               rng.random((n, k // fmt.group), dtype=np.float32), None)
+                               rng.random((n, k // fmt.group), dtype=np.float32), offsets)
     x, out = torch.randn(rows, k), torch.empty(rows, n)
+    ways = {"kernel": w._kernel_rows, "panels": w._panels, "torch": w._gemm}
     with torch.inference_mode():
-        t_kernel = time_call(lambda: w._kernel_rows(x, out, None, False), reps=5, warmup=1, quantile=0.0)
-        t_gemm = time_call(lambda: w._gemm(x, out, None, False), reps=5, warmup=1, quantile=0.0)
-    answer = GEMM_ROWS if t_gemm < t_kernel else 1 << 62
-    atomic_write_text(path, json.dumps({"gemm_rows": answer, "kernel_ms": t_kernel * 1e3, "gemm_ms": t_gemm * 1e3,
-                                        "probe": PROBE}))
+        ms = {name: time_call(lambda f=f: f(x, out, None, False), reps=5, warmup=1, quantile=0.0) * 1e3
+              for name, f in ways.items()}
+    answer = min(ms, key=lambda name: ms[name])
+    atomic_write_text(path, json.dumps({"path": answer, "ms": ms, "type": type_name, "probe": PROBE}))
     return answer
 
 
@@ -153,10 +161,15 @@ class QuantWeight:
     def matmul(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
                accumulate: bool = False) -> torch.Tensor:
         """``out`` ``# [M, >= N]`` (a column slice of a wider output is fine) = or += ``x`` ``# [M, K]`` @ W^T
-        (+ bias): 16 rows of x per kernel call, or from GEMM_ROWS rows on dequantized tiles through torch's GEMM
-        where that is faster on this machine (``gemm_rows``)."""
-        if x.shape[0] >= GEMM_ROWS and not self.int8 and x.shape[0] >= gemm_rows():
-            return self._gemm(x, out, bias, accumulate)
+        (+ bias): 16 rows of x per kernel call, or for a prefill the way measured fastest on this machine
+        (``prefill_path``): panels from PANEL_ROWS rows, dequantized tiles through torch's GEMM from GEMM_ROWS."""
+        rows = x.shape[0]
+        if rows >= PANEL_ROWS and not self.int8:
+            way = prefill_path(self.type_name)
+            if way == "panels":
+                return self._panels(x, out, bias, accumulate)
+            if way == "torch" and rows >= GEMM_ROWS:
+                return self._gemm(x, out, bias, accumulate)
         return self._kernel_rows(x, out, bias, accumulate)
 
     def _kernel_rows(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
@@ -171,6 +184,11 @@ class QuantWeight:
             e = min(x.shape[0], s + KERNEL_ROWS)
             kernel(x[s:e], *self.kernel_args(), b, out[s:e], accumulate)
         return out
+
+    def _panels(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+                accumulate: bool) -> torch.Tensor:
+        """``matmul`` for many rows: panels of the weight dequantized once per 120 rows of x (``qgemm``)."""
+        return built_extension().qgemm(x, *self.kernel_args(), bias if bias is not None else _NO_BIAS, out, accumulate)
 
     def _gemm(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         """``matmul`` for many rows: tiles of W^T ``# [K, rows]`` dequantized by the kernels, then ``x @ tile``."""
