@@ -232,16 +232,98 @@ __attribute__((noinline)) void tile_halves(const float* __restrict x, int64_t ld
   }
 }
 
+#if defined(__AVX512F__)
+// 4- and 5-bit codes on AVX-512 (Q4_0, Q5_0; Q4_1, Q5_1, Q4_K, Q5_K), where decoding is most of a decoding step's
+// work (one x-row reads each weight once): a code's value q - z comes from a 16- or 32-entry table by one permute
+// (exact: a small integer), is multiplied into the x-row's sum of its group, and the group's sum is scaled once:
+//     sum_k w_k x_k = s * sum_k (q_k - z) x_k              (w = (q - z) * s: Q4_0, Q5_0)
+//     sum_k w_k x_k = s * sum_k q_k x_k  -  o * sum_k x_k  (w = q * s - o: the offset types; xsum = sum_k x_k)
+// so a column costs a permute and a multiply-add per row instead of a conversion, a multiply-subtract (the weight)
+// and the multiply-add. The weights are the dequantized ones; the rounding is that of a float32 dot product
+// reassociated: for the zero-point types the products keep the weight's sign (no cancellation; measured error
+// against a float64 product 4e-8 of sum |w x|, half the decoding path's), for the offset types the two terms may
+// cancel (measured in docs/QUANTIZED.md). A/B on a Zen 5, 2 threads: docs/QUANTIZED.md.
+template <int BITS, bool OFF, int MC>
+inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64_t g,
+                        const uint8_t* __restrict codes, const float* __restrict sc, const float* __restrict of,
+                        const float* __restrict xsum, float z, float* __restrict res) {
+  static_assert(BITS == 4 || BITS == 5, "4- or 5-bit codes");
+  alignas(64) float t[32];
+  for (int i = 0; i < 32; ++i) t[i] = (float)i - z;
+  const __m512 tlo = _mm512_load_ps(t), thi = _mm512_load_ps(t + 16);
+  const auto value = [&](vi q) -> vf {  // float(q - z)
+    if constexpr (BITS == 4) return (vf)_mm512_permutexvar_ps((__m512i)q, tlo);
+    else return (vf)_mm512_permutex2var_ps(tlo, (__m512i)q, thi);
+  };
+  constexpr bool TWO = MC <= 4;  // two partial sums per row while registers last (four for one row)
+  vf acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = vf{};
+  const int64_t CB = group_bytes(BITS, g);
+  for (int64_t j = 0; j < G; ++j) {
+    prefetch_group<OFF>(codes, CB, sc, of, j);
+    const uint8_t* cg = codes + j * CB;
+    const float* xj = x + j * g;
+    constexpr int NP = MC == 1 ? 4 : TWO ? 2 : 1;  // partial sums per row: the multiply-adds do not wait on each other
+    vf p[NP][MC];
+    for (int i = 0; i < NP; ++i)
+      for (int m = 0; m < MC; ++m) p[i][m] = vf{};
+    const auto pair = [&](int k, vf* a, vf* b) {  // columns k, k + 1 into the sums a, b
+      const vi q = widen(cg + k * 8);
+      vi q0 = q & 15, q1 = q >> 4;
+      if constexpr (BITS == 5) {
+        q0 = add_plane<16>(q0, cg + g * 8, k, 0);
+        q1 = add_plane<16>(q1, cg + g * 8, k + 1, 0);
+      }
+      const vf v0 = value(q0), v1 = value(q1);
+      for (int m = 0; m < MC; ++m) {
+        a[m] = fma(v0, bcast(xj[m * ldx + k]), a[m]);
+        b[m] = fma(v1, bcast(xj[m * ldx + k + 1]), b[m]);
+      }
+    };
+    if constexpr (NP == 4) {
+      for (int k = 0; k < g; k += 4) {
+        pair(k, p[0], p[1]);
+        pair(k + 2, p[2], p[NP - 1]);
+      }
+    } else {
+      for (int k = 0; k < g; k += 2) pair(k, p[0], p[NP - 1]);
+    }
+    const vf s = loadf(sc + j * L);
+    for (int m = 0; m < MC; ++m) {
+      vf t = p[0][m];
+      if constexpr (NP == 4) t = (p[0][m] + p[1][m]) + (p[2][m] + p[NP - 1][m]);
+      else if constexpr (NP == 2) t = p[0][m] + p[NP - 1][m];
+      acc[m] = fma(t, s, acc[m]);
+      if constexpr (OFF) acc[m] = fma(-loadf(of + j * L), bcast(xsum[m * G + j]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MC; ++m) std::memcpy(res + m * L, &acc[m], sizeof(vf));
+}
+#endif
+
 // MC rows of x (row stride ldx) against one block of 16 output rows: res[MC][16]. Each x-row keeps four
 // (one row), two (up to 7 rows on AVX-512, 2 on AVX2) or one partial sum per vector, so that for few rows the
 // multiply-adds do not wait on each other.
+// LOOKUP: the 4/5-bit codes' table path (tile_lookup, AVX-512); xsum # [MC, G]: each x-row's group sums (offset types).
+template <int BITS, bool OFF>
+constexpr bool LOOKUP = VL == 16 && (BITS == 4 || BITS == 5);
+
 template <int BITS, bool OFF, int MC>
 inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, const uint8_t* __restrict codes,
-                 const float* __restrict sc, const float* __restrict of, float z, float* __restrict res) {
+                 const float* __restrict sc, const float* __restrict of, const float* __restrict xsum, float z,
+                 float* __restrict res) {
   if constexpr (VL == 8 && MC >= 5) {
     tile_halves<BITS, OFF, MC>(x, ldx, G, g, codes, sc, of, z, res);
     return;
   }
+#if defined(__AVX512F__)
+  if constexpr (LOOKUP<BITS, OFF>) {
+    tile_lookup<BITS, OFF, MC>(x, ldx, G, g, codes, sc, of, xsum, z, res);
+    return;
+  }
+#else
+  (void)xsum;
+#endif
   vf a0[MC][NV], a1[MC][NV], a2[MC][NV], a3[MC][NV];
   for (int m = 0; m < MC; ++m)
     for (int h = 0; h < NV; ++h) a0[m][h] = a1[m][h] = a2[m][h] = a3[m][h] = vf{};
@@ -308,6 +390,15 @@ template <int BITS, bool OFF>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* sc, const float* of, int64_t NB,
          int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N, bool accumulate) {
   const int64_t CB = group_bytes(BITS, g);
+  std::vector<float> xsum;  // [M, G] each x-row's group sums, for the offset types' table path
+  if constexpr (OFF && LOOKUP<BITS, OFF>) {
+    xsum.resize(M * G);
+    for (int64_t i = 0; i < M * G; ++i) {
+      float t = 0.f;
+      for (int64_t k = 0; k < g; ++k) t += x[i * g + k];
+      xsum[i] = t;
+    }
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < NB; ++b) {
     float res[MCMAX * L];
@@ -319,15 +410,16 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float
       const int64_t left = M - m0;
       const int64_t mc = std::min<int64_t>(left, MCMAX);
       const float* xm = x + m0 * K;
+      const float* xs = xsum.empty() ? nullptr : xsum.data() + m0 * G;
       switch (mc) {
-        case 1: tile<BITS, OFF, 1>(xm, K, G, g, cb, sb, ob, z, res); break;
-        case 2: tile<BITS, OFF, 2>(xm, K, G, g, cb, sb, ob, z, res); break;
-        case 3: tile<BITS, OFF, 3>(xm, K, G, g, cb, sb, ob, z, res); break;
-        case 4: tile<BITS, OFF, 4>(xm, K, G, g, cb, sb, ob, z, res); break;
-        case 5: tile<BITS, OFF, 5>(xm, K, G, g, cb, sb, ob, z, res); break;
-        case 6: tile<BITS, OFF, 6>(xm, K, G, g, cb, sb, ob, z, res); break;
-        case 7: tile<BITS, OFF, 7>(xm, K, G, g, cb, sb, ob, z, res); break;
-        default: tile<BITS, OFF, MCMAX>(xm, K, G, g, cb, sb, ob, z, res); break;
+        case 1: tile<BITS, OFF, 1>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+        case 2: tile<BITS, OFF, 2>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+        case 3: tile<BITS, OFF, 3>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+        case 4: tile<BITS, OFF, 4>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+        case 5: tile<BITS, OFF, 5>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+        case 6: tile<BITS, OFF, 6>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+        case 7: tile<BITS, OFF, 7>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+        default: tile<BITS, OFF, MCMAX>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
       }
       store_tile(res, mc, y + m0 * ldy + b * L, ldy, rows, bias ? bias + b * L : nullptr, accumulate);
       m0 += mc;
