@@ -189,7 +189,7 @@ class Engine:
         if not self.speculative(gen.method):
             return [self.decode_one_token(seq, gen, stats)]
         drafter = self.need_drafter()
-        cap = min(drafter.max_drafts(seq, self.gamma), remaining - 1)
+        cap = min(drafter.max_drafts(seq, self.gamma, remaining), remaining - 1)
         if gen.method == "specee-verified" and not drafter.lookup_available(seq):
             specee = self.need_specee()
             drafted, h = specee.verified_round(seq, min(cap, specee.settings.max_drafts), stats)

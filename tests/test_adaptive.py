@@ -368,3 +368,39 @@ def test_block_costs_are_made_monotone_in_the_block_size(monkeypatch):
     c = costs_mod.measure_draft_costs(ss.split, ss.head, block_sizes=(1, 2, 4))
     assert c.t_deep == {1: 0.037, 2: 0.037, 4: 0.081}
     assert c.t_plain == pytest.approx(0.038)
+
+
+def test_catch_up_limit_prices_the_heads_backlog():
+    """How many rows a stateful head may have to catch up on per wanted token: the calibration's predicted gain of a
+    step against the measured price of one layer over one more row (Qwen 0.5B's figures: about 5)."""
+    from types import SimpleNamespace
+
+    from selfspec.drafting.setup import catch_up_limit
+
+    costs = DraftCosts(exit_layer=0, t_shallow=0.0, t_head=0.0008, t_deep={1: 0.0167, 4: 0.0297, 16: 0.1034})
+    per_row = (0.1034 - 0.0167) / 15 / 24
+    limit = catch_up_limit(costs, SimpleNamespace(predicted_speedup=1.08, gamma=3), 24)
+    assert limit == pytest.approx((1 - 1 / 1.08) * 0.0167 / per_row) and 4 < limit < 6
+    assert catch_up_limit(costs, SimpleNamespace(predicted_speedup=1.02, gamma=1), 24) < limit / 3  # less to gain
+    assert catch_up_limit(costs, None, 24) == math.inf  # no calibration: no limit
+    # a calibration that found nothing paying: the head is off, or explores by the user's choice (no limit)
+    assert catch_up_limit(costs, SimpleNamespace(predicted_speedup=1.0, gamma=0), 24) == math.inf
+
+
+def test_a_stateful_head_does_not_draft_past_its_catch_up_limit(tmp_path):
+    """A deep-context head (its own KV cache, so it runs over the whole prompt before its first draft): with a limit
+    below the prompt's rows per wanted token it never drafts in that request (lookup blocks and plain steps), and
+    drafts again once the limit allows; lossless both ways."""
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(), None)
+    save_head(new_head("deep", ss.split, 2), tmp_path / "head")
+    ss.set_draft(DraftConfig(head=str(tmp_path / "head"), gamma=2, policy="fixed", lookup=0))
+    drafter = ss.engine.drafter
+    assert ss.head.stateful and drafter.catch_up_limit == math.inf  # no calibration: no limit
+    prompt = prompt_of(30, 3)
+    ref = hf_greedy(ss.model, prompt, 12)
+    drafter.catch_up_limit = (len(prompt) - 1) / 12  # the prompt's backlog is above it for every round
+    out = ss.generate(prompt, max_new_tokens=12, ignore_eos=True)
+    assert out.token_ids == ref and sum(out.stats.proposed_per_position) == 0
+    drafter.catch_up_limit = 2 * len(prompt)
+    out = ss.generate(prompt, max_new_tokens=12, ignore_eos=True)
+    assert out.token_ids == ref and sum(out.stats.proposed_per_position) > 0

@@ -74,7 +74,7 @@ def step(engine: Engine, entries: list[BatchEntry]) -> list[list[int]]:
 def _plan(engine: Engine, entries: list[BatchEntry]) -> dict[int, tuple[int, int]]:
     """Entry index -> (head drafts, lookup drafts) at most this round, for the speculative entries past their
     prefill (their policies are asked once a round)."""
-    return {j: (min(engine.need_drafter().max_drafts(e.seq, engine.gamma), e.remaining - 1, e.draft_cap),
+    return {j: (min(engine.need_drafter().max_drafts(e.seq, engine.gamma, e.remaining), e.remaining - 1, e.draft_cap),
                 min(e.remaining - 1, e.lookup_cap))
             for j, e in enumerate(entries) if e.prompt is None and e.speculative}
 

@@ -58,8 +58,9 @@ class Drafter(Protocol):
     def next_depth(self, seq: SequenceState) -> int:
         """At the start of a round: the depth this round drafts at (a depth policy may change it)."""
 
-    def max_drafts(self, seq: SequenceState, gamma: int) -> int:
-        """At most this many drafts this round (its policy's choice, at most ``gamma``)."""
+    def max_drafts(self, seq: SequenceState, gamma: int, remaining: int | None = None) -> int:
+        """At most this many drafts this round (its policy's choice, at most ``gamma``); ``remaining``: the most
+        tokens the request still wants (None: not known)."""
 
     def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor | None,
               prompt_final_states: torch.Tensor | None = None) -> None:
@@ -109,7 +110,7 @@ class BaseDrafter:
     def next_depth(self, seq: SequenceState) -> int:
         return self.depth_of(seq)
 
-    def max_drafts(self, seq: SequenceState, gamma: int) -> int:
+    def max_drafts(self, seq: SequenceState, gamma: int, remaining: int | None = None) -> int:
         return gamma
 
     def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor | None,

@@ -24,6 +24,7 @@ at all, each source's own policy decides from its measured costs and the accepta
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,7 +42,8 @@ from selfspec.state import SequenceState
 
 class EarlyExitDrafter(BaseDrafter):
     def __init__(self, split: SplitModel, head: ExitHead, policy: DraftPolicy, lookup: int = 0,
-                 lookup_ngram: int = 3, lookup_policy: DraftPolicy | None = None, head_drafts: bool = True) -> None:
+                 lookup_ngram: int = 3, lookup_policy: DraftPolicy | None = None, head_drafts: bool = True,
+                 catch_up_limit: float = math.inf) -> None:
         self.split, self.head, self.policy = split, head, policy
         self.exit_layer = head.exit_layer
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
@@ -49,6 +51,10 @@ class EarlyExitDrafter(BaseDrafter):
         # False: only lookup drafts (a calibration found no early-exit draft that pays, DraftConfig.explore);
         # the head never runs, a round without a lookup match is a plain step
         self.head_drafts = head_drafts
+        # A stateful head runs over the rows it has not seen before it drafts (at first the whole prompt). At most
+        # this many such rows per token the request may still want: beyond, the catch-up costs more than the head's
+        # drafts can save (setup.catch_up_limit), and the round drafts by lookup or not at all
+        self.catch_up_limit = catch_up_limit
 
     def begin(self, seq: SequenceState, seed: int | None) -> None:
         """Before a request's prefill: its own policy state (seeded) and its first exit depth."""
@@ -58,10 +64,19 @@ class EarlyExitDrafter(BaseDrafter):
     def policy_of(self, seq: SequenceState) -> DraftPolicy:
         return seq.policy if seq.policy is not None else self.policy
 
-    def max_drafts(self, seq: SequenceState, gamma: int) -> int:
+    def max_drafts(self, seq: SequenceState, gamma: int, remaining: int | None = None) -> int:
         """This round's most drafts: the sequence's policy decides (at the start of every round); none when the
-        head does not draft (lookup blocks are capped by their own policy)."""
-        return self.policy_of(seq).max_drafts(gamma) if self.head_drafts else 0
+        head does not draft, or when catching it up on the rows it has not seen would cost more than its drafts
+        can save in the ``remaining`` tokens (lookup blocks are capped by their own policy)."""
+        if not self.head_drafts:
+            return 0
+        if remaining is not None and self.backlog(seq) > self.catch_up_limit * remaining:
+            return 0
+        return self.policy_of(seq).max_drafts(gamma)
+
+    def backlog(self, seq: SequenceState) -> int:
+        """Rows a stateful head must still run over before it drafts for ``seq`` (0 for a stateless head)."""
+        return 0 if seq.head_backlog is None else int(seq.head_backlog.shape[1])
 
     def depth_of(self, seq: SequenceState) -> int:
         """The exit depth of ``seq``'s next round (the head's own layer unless a depth policy chose another)."""
