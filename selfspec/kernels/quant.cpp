@@ -233,10 +233,11 @@ __attribute__((noinline)) void tile_halves(const float* __restrict x, int64_t ld
 }
 
 #if defined(__AVX512F__)
-// 4- and 5-bit codes on AVX-512 (Q4_0, Q5_0; Q4_1, Q5_1, Q4_K, Q5_K), where decoding is most of a decoding step's
-// work (one x-row reads each weight once): a code's value q - z comes from a 16- or 32-entry table by one permute
-// (exact: a small integer), is multiplied into the x-row's sum of its group, and the group's sum is scaled once:
-//     sum_k w_k x_k = s * sum_k (q_k - z) x_k              (w = (q - z) * s: Q4_0, Q5_0)
+// 4-, 5- and 6-bit codes on AVX-512 (Q4_0, Q5_0, Q6_K; Q4_1, Q5_1, Q4_K, Q5_K), where decoding is most of a decoding
+// step's work (one x-row reads each weight once): a code's value q - z comes from a 16- or 32-entry table by one
+// permute (exact: a small integer; Q6_K's sixth bit adds 32 with one masked add), is multiplied into the x-row's sum
+// of its group, and the group's sum is scaled once:
+//     sum_k w_k x_k = s * sum_k (q_k - z) x_k              (w = (q - z) * s: Q4_0, Q5_0, Q6_K)
 //     sum_k w_k x_k = s * sum_k q_k x_k  -  o * sum_k x_k  (w = q * s - o: the offset types; xsum = sum_k x_k)
 // so a column costs a permute and a multiply-add per row instead of a conversion, a multiply-subtract (the weight)
 // and the multiply-add. The weights are the dequantized ones; the rounding is that of a float32 dot product
@@ -247,13 +248,19 @@ template <int BITS, bool OFF, int MC>
 inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64_t g,
                         const uint8_t* __restrict codes, const float* __restrict sc, const float* __restrict of,
                         const float* __restrict xsum, float z, float* __restrict res) {
-  static_assert(BITS == 4 || BITS == 5, "4- or 5-bit codes");
+  static_assert(BITS == 4 || BITS == 5 || (BITS == 6 && !OFF), "4- or 5-bit codes, or Q6_K's 6-bit ones");
   alignas(64) float t[32];
   for (int i = 0; i < 32; ++i) t[i] = (float)i - z;
   const __m512 tlo = _mm512_load_ps(t), thi = _mm512_load_ps(t + 16);
   const auto value = [&](vi q) -> vf {  // float(q - z)
     if constexpr (BITS == 4) return (vf)_mm512_permutexvar_ps((__m512i)q, tlo);
-    else return (vf)_mm512_permutex2var_ps(tlo, (__m512i)q, thi);
+    else return (vf)_mm512_permutex2var_ps(tlo, (__m512i)q, thi);  // 6 bits: the low five here, bit 5 below
+  };
+  // 6 bits: where bit 5 (the second plane) is set, q - z is the table's value + 32 (exact: small integers)
+  const auto high = [&](vf v, const uint8_t* planes, int k) -> vf {
+    uint16_t bits;
+    std::memcpy(&bits, planes + 2 * k, 2);
+    return (vf)_mm512_mask_add_ps((__m512)v, (__mmask16)bits, (__m512)v, _mm512_set1_ps(32.f));
   };
   constexpr bool TWO = MC <= 4;  // two partial sums per row while registers last (four for one row)
   vf acc[MC];
@@ -270,11 +277,15 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
     const auto pair = [&](int k, vf* a, vf* b) {  // columns k, k + 1 into the sums a, b
       const vi q = widen(cg + k * 8);
       vi q0 = q & 15, q1 = q >> 4;
-      if constexpr (BITS == 5) {
+      if constexpr (BITS >= 5) {
         q0 = add_plane<16>(q0, cg + g * 8, k, 0);
         q1 = add_plane<16>(q1, cg + g * 8, k + 1, 0);
       }
-      const vf v0 = value(q0), v1 = value(q1);
+      vf v0 = value(q0), v1 = value(q1);
+      if constexpr (BITS == 6) {
+        v0 = high(v0, cg + g * 10, k);
+        v1 = high(v1, cg + g * 10, k + 1);
+      }
       for (int m = 0; m < MC; ++m) {
         a[m] = fma(v0, bcast(xj[m * ldx + k]), a[m]);
         b[m] = fma(v1, bcast(xj[m * ldx + k + 1]), b[m]);
@@ -306,7 +317,7 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
 // multiply-adds do not wait on each other.
 // LOOKUP: the 4/5-bit codes' table path (tile_lookup, AVX-512); xsum # [MC, G]: each x-row's group sums (offset types).
 template <int BITS, bool OFF>
-constexpr bool LOOKUP = VL == 16 && (BITS == 4 || BITS == 5);
+constexpr bool LOOKUP = VL == 16 && (BITS == 4 || BITS == 5 || (BITS == 6 && !OFF));
 
 template <int BITS, bool OFF, int MC>
 inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, const uint8_t* __restrict codes,
