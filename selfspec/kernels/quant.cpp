@@ -312,13 +312,13 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
 }
 #endif
 
-// MC rows of x (row stride ldx) against one block of 16 output rows: res[MC][16]. Each x-row keeps four
-// (one row), two (up to 7 rows on AVX-512, 2 on AVX2) or one partial sum per vector, so that for few rows the
-// multiply-adds do not wait on each other.
-// LOOKUP: the 4/5-bit codes' table path (tile_lookup, AVX-512); xsum # [MC, G]: each x-row's group sums (offset types).
+// Whether a type's codes take the table path (tile_lookup: AVX-512, 4- and 5-bit codes, Q6_K's 6-bit ones).
 template <int BITS, bool OFF>
 constexpr bool LOOKUP = VL == 16 && (BITS == 4 || BITS == 5 || (BITS == 6 && !OFF));
 
+// MC rows of x (row stride ldx) against one block of 16 output rows: res[MC][16]. Each x-row keeps four
+// (one row), two (up to 7 rows on AVX-512, 2 on AVX2) or one partial sum per vector, so that for few rows the
+// multiply-adds do not wait on each other. xsum # [MC, G]: each x-row's group sums (the offset types' table path).
 template <int BITS, bool OFF, int MC>
 inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, const uint8_t* __restrict codes,
                  const float* __restrict sc, const float* __restrict of, const float* __restrict xsum, float z,
@@ -855,7 +855,7 @@ torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
   return out;
 }
 
-// ---- prefill: many rows of x go through torch's GEMM on dequantized tiles (selfspec/quant/weight.py) ---------
+// ---- prefill: dequantized weights for torch's GEMM (qdense_t) and for the panels below (selfspec/quant/weight.py) --
 namespace {
 
 // Group j of block b dequantized and transposed: o[k * ldo + r] = weight of output row 16 b + r, column g j + k.
