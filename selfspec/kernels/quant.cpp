@@ -6,10 +6,10 @@
 //     w = (q - z) * s - o          q: integer code, z: the type's zero point, s, o: float32 per group
 // whose float32 evaluation (one multiply, one subtract) gives bit for bit the weight that gguf-py's
 // dequantize (and so transformers) computes: e.g. Q4_1 is d * q + m (o = -m), Q4_K is
-// (d * sc) * q - dmin * m, Q6_K is (d * sc) * (q - 32), Q8_0 is d * (q - 128) with q = int8 + 128.
-// Where an offset is subtracted, (q - z) * s is exact in float32 (a half-precision scale, or a half
-// times a 6-bit integer, times a code of at most 5 bits), so a fused multiply-subtract rounds
-// identically. The weights of the product are thus the dequantized model's; only the summation order
+// (d * sc) * q - dmin * m, Q8_0 is d * (q - 128) with q = int8 + 128, Q6_K is (d * sc) * (q - 128) with
+// q = q6 + 96 (its 6-bit codes kept as bytes, formats.py). Where an offset is subtracted, q * s is exact in
+// float32 (a half-precision scale, or a half times a 6-bit integer, times a code of at most 5 bits), so a
+// fused multiply-subtract rounds identically. The weights of the product are thus the dequantized model's; only the summation order
 // differs from F.linear, as it does for the float32 kernel (gemv.cpp).
 //
 // Packed layout (one tensor, made once at load by selfspec/quant/weight.py):
@@ -17,10 +17,9 @@
 //   scales   # [N / 16, G, 16] float32   s of each row's group
 //   offsets  # [N / 16, G, 16] float32   o (only for types with one; else an empty tensor)
 // Inside a group of 16 rows x g columns (k = 0 .. g-1), CB bytes:
-//   bits 4, 5, 6: g / 2 vectors of 16 bytes, byte r of vector p = q[r][2p] & 15 | (q[r][2p + 1] & 15) << 4,
-//                 then for bits >= 5 one 16-bit plane per column (bit r = bit 4 of q[r][k]), for bits 6 a
-//                 second plane (bit 5);
-//   bits 8:       g vectors of 16 bytes, byte r of vector k = q[r][k].
+//   bits 4, 5: g / 2 vectors of 16 bytes, byte r of vector p = q[r][2p] & 15 | (q[r][2p + 1] & 15) << 4,
+//              then for bits 5 one 16-bit plane per column (bit r = bit 4 of q[r][k]);
+//   bits 8:    g vectors of 16 bytes, byte r of vector k = q[r][k].
 // Worked example, bits 5, rows r0 and r1 only, one column pair: q[r0] = (3, 17), q[r1] = (30, 0) pack as
 // nibble bytes (0x13, 0x0E), plane of k=0: bit 1 set (30 >= 16), plane of k=1: bit 0 set (17 >= 16).
 //
@@ -97,7 +96,6 @@ struct PlaneTable {
   }
 };
 const PlaneTable<16> plane16;
-const PlaneTable<32> plane32;
 #endif
 
 // q plus ADD in the lanes (of half h) whose bit is set in the 16-bit plane of column k (one masked add on AVX-512,
@@ -110,8 +108,8 @@ inline vi add_plane(vi q, const uint8_t* planes, int k, int h) {
   std::memcpy(&bits, planes + 2 * k, 2);
   return (vi)_mm512_mask_add_epi32((__m512i)q, (__mmask16)bits, (__m512i)q, _mm512_set1_epi32(ADD));
 #else
-  static_assert(ADD == 16 || ADD == 32, "planes add bit 4 or bit 5");
-  const int32_t* row = (ADD == 16 ? plane16.v : plane32.v)[planes[2 * k + h]];  // byte h: lanes 8h .. 8h + 7
+  static_assert(ADD == 16, "the plane is bit 4");
+  const int32_t* row = plane16.v[planes[2 * k + h]];  // byte h: lanes 8h .. 8h + 7
   vi t;
   std::memcpy(&t, row, sizeof t);
   return q + t;
@@ -143,26 +141,22 @@ inline void column_pair(const uint8_t* c, int64_t g, int k, int h, vi& q0, vi& q
     const vi q = widen(c + k * 8 + VL * h);
     q0 = q & 15;
     q1 = q >> 4;
-    if constexpr (BITS >= 5) {
+    if constexpr (BITS == 5) {
       q0 = add_plane<16>(q0, c + g * 8, k, h);
       q1 = add_plane<16>(q1, c + g * 8, k + 1, h);
-    }
-    if constexpr (BITS == 6) {
-      q0 = add_plane<32>(q0, c + g * 10, k, h);
-      q1 = add_plane<32>(q1, c + g * 10, k + 1, h);
     }
   }
 }
 
 // The weights of columns k, k + 1 of one group (16 rows each), multiplied into MC x-rows' sums a and b.
 // c = o, or z * s (exact: z is a power of two); w = q * s - c in one rounding, which is the two-step value
-// since q * s is exact for these types; 6-bit codes (Q6_K, where q * s may round) keep (q - z) * s.
+// since q * s is exact for these types; 8-bit codes keep (q - z) * s (Q6_K's bytes times d * sc may round).
 template <int BITS>
 inline void column_pair_weights(const uint8_t* __restrict cg, int64_t g, int k, int h, vf s, vf c, vf zv, vf& w0,
                                 vf& w1) {
   vi q0, q1;
   column_pair<BITS>(cg, g, k, h, q0, q1);
-  if constexpr (BITS == 6) {
+  if constexpr (BITS == 8) {
     w0 = (__builtin_convertvector(q0, vf) - zv) * s;
     w1 = (__builtin_convertvector(q1, vf) - zv) * s;
   } else {
@@ -233,14 +227,14 @@ __attribute__((noinline)) void tile_halves(const float* __restrict x, int64_t ld
 }
 
 #if defined(__AVX512F__)
-// 4-, 5- and 6-bit codes on AVX-512 (Q4_0, Q5_0, Q6_K; Q4_1, Q5_1, Q4_K, Q5_K), where decoding is most of a decoding
-// step's work (one x-row reads each weight once): a code's value q - z comes from a 16- or 32-entry table by one
-// permute (exact: a small integer; Q6_K's sixth bit adds 32 with one masked add), is multiplied into the x-row's sum
-// of its group, and the group's sum is scaled once:
-//     sum_k w_k x_k = s * sum_k (q_k - z) x_k              (w = (q - z) * s: Q4_0, Q5_0, Q6_K)
+// Codes on AVX-512, where decoding is most of a decoding step's work (one x-row reads each weight once): a 4- or
+// 5-bit code's value q - z comes from a 16-entry table by one permute of its nibble (exact: a small integer; the
+// fifth bit adds 16 with one masked add), a byte's (Q8_0, Q6_K; z = 128) by flipping its top bit and reading it as
+// signed; the value is multiplied into the x-row's sum of its group, and the group's sum is scaled once:
+//     sum_k w_k x_k = s * sum_k (q_k - z) x_k              (w = (q - z) * s: Q4_0, Q5_0, Q8_0, Q6_K)
 //     sum_k w_k x_k = s * sum_k q_k x_k  -  o * sum_k x_k  (w = q * s - o: the offset types; xsum = sum_k x_k)
-// so a column costs a permute and a multiply-add per row instead of a conversion, a multiply-subtract (the weight)
-// and the multiply-add. The weights are the dequantized ones; the rounding is that of a float32 dot product
+// so a column costs a permute (or a conversion) and a multiply-add per row instead of a conversion, a
+// multiply-subtract (the weight) and the multiply-add. The weights are the dequantized ones; the rounding is that of a float32 dot product
 // reassociated: for the zero-point types the products keep the weight's sign (no cancellation; measured error
 // against a float64 product 4e-8 of sum |w x|, half the decoding path's), for the offset types the two terms may
 // cancel (measured in docs/QUANTIZED.md). A/B on a Zen 5, 2 threads: docs/QUANTIZED.md.
@@ -248,19 +242,18 @@ template <int BITS, bool OFF, int MC>
 inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64_t g,
                         const uint8_t* __restrict codes, const float* __restrict sc, const float* __restrict of,
                         const float* __restrict xsum, float z, float* __restrict res) {
-  static_assert(BITS == 4 || BITS == 5 || (BITS == 6 && !OFF), "4- or 5-bit codes, or Q6_K's 6-bit ones");
-  alignas(64) float t[32];
-  for (int i = 0; i < 32; ++i) t[i] = (float)i - z;
-  const __m512 tlo = _mm512_load_ps(t), thi = _mm512_load_ps(t + 16);
-  const auto value = [&](vi q) -> vf {  // float(q - z)
-    if constexpr (BITS == 4) return (vf)_mm512_permutexvar_ps((__m512i)q, tlo);
-    else return (vf)_mm512_permutex2var_ps(tlo, (__m512i)q, thi);  // 6 bits: the low five here, bit 5 below
-  };
-  // 6 bits: where bit 5 (the second plane) is set, q - z is the table's value + 32 (exact: small integers)
-  const auto high = [&](vf v, const uint8_t* planes, int k) -> vf {
+  static_assert(BITS == 4 || BITS == 5 || (BITS == 8 && !OFF), "4- or 5-bit codes, or bytes with z = 128");
+  alignas(64) float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = (float)i - z;
+  const __m512 table = _mm512_load_ps(t);
+  // float(q - z) for a nibble q: vpermps reads only the low four bits of each index, so q needs no mask
+  const auto value = [&](vi q) -> vf { return (vf)_mm512_permutexvar_ps((__m512i)q, table); };
+  // where bit 4 of a code is set in its column's 16-bit plane, the value gets 16 more (exact: small integers); a
+  // float add, where adding 16 to the index would need a two-source permute (4 to 8 x-rows: Q5_0 5-10% slower)
+  const auto plane = [&](vf v, const uint8_t* planes, int k) -> vf {
     uint16_t bits;
     std::memcpy(&bits, planes + 2 * k, 2);
-    return (vf)_mm512_mask_add_ps((__m512)v, (__mmask16)bits, (__m512)v, _mm512_set1_ps(32.f));
+    return (vf)_mm512_mask_add_ps((__m512)v, (__mmask16)bits, (__m512)v, _mm512_set1_ps(16.f));
   };
   constexpr bool TWO = MC <= 4;  // two partial sums per row while registers last (four for one row)
   vf acc[MC];
@@ -275,16 +268,21 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
     for (int i = 0; i < NP; ++i)
       for (int m = 0; m < MC; ++m) p[i][m] = vf{};
     const auto pair = [&](int k, vf* a, vf* b) {  // columns k, k + 1 into the sums a, b
-      const vi q = widen(cg + k * 8);
-      vi q0 = q & 15, q1 = q >> 4;
-      if constexpr (BITS >= 5) {
-        q0 = add_plane<16>(q0, cg + g * 8, k, 0);
-        q1 = add_plane<16>(q1, cg + g * 8, k + 1, 0);
-      }
-      vf v0 = value(q0), v1 = value(q1);
-      if constexpr (BITS == 6) {
-        v0 = high(v0, cg + g * 10, k);
-        v1 = high(v1, cg + g * 10, k + 1);
+      vf v0, v1;
+      if constexpr (BITS == 8) {  // q - 128 = the byte with its top bit flipped, read as signed (z is 128)
+        const __m128i flip = _mm_set1_epi8(-128);
+        const __m128i b0 = _mm_xor_si128(_mm_loadu_si128((const __m128i*)(cg + k * L)), flip);
+        const __m128i b1 = _mm_xor_si128(_mm_loadu_si128((const __m128i*)(cg + (k + 1) * L)), flip);
+        v0 = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b0));
+        v1 = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b1));
+      } else {
+        const vi q = widen(cg + k * 8);  // byte r: column k's code in the low nibble, column k + 1's in the high
+        v0 = value(q);
+        v1 = value(q >> 4);
+        if constexpr (BITS == 5) {
+          v0 = plane(v0, cg + g * 8, k);
+          v1 = plane(v1, cg + g * 8, k + 1);
+        }
       }
       for (int m = 0; m < MC; ++m) {
         a[m] = fma(v0, bcast(xj[m * ldx + k]), a[m]);
@@ -312,9 +310,9 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
 }
 #endif
 
-// Whether a type's codes take the table path (tile_lookup: AVX-512, 4- and 5-bit codes, Q6_K's 6-bit ones).
+// Whether a type's codes take the group-sum path (tile_lookup: AVX-512; 4- and 5-bit codes, bytes without offsets).
 template <int BITS, bool OFF>
-constexpr bool LOOKUP = VL == 16 && (BITS == 4 || BITS == 5 || (BITS == 6 && !OFF));
+constexpr bool LOOKUP = VL == 16 && (BITS == 4 || BITS == 5 || (BITS == 8 && !OFF));
 
 // MC rows of x (row stride ldx) against one block of 16 output rows: res[MC][16]. Each x-row keeps four
 // (one row), two (up to 7 rows on AVX-512, 2 on AVX2) or one partial sum per vector, so that for few rows the
@@ -383,15 +381,12 @@ void dispatch(int64_t bits, bool off, F&& f) {
   using std::false_type, std::true_type;
   using B4 = std::integral_constant<int, 4>;
   using B5 = std::integral_constant<int, 5>;
-  using B6 = std::integral_constant<int, 6>;
   using B8 = std::integral_constant<int, 8>;
   switch (bits * 2 + (off ? 1 : 0)) {
     case 8: f(B4{}, false_type{}); break;
     case 9: f(B4{}, true_type{}); break;
     case 10: f(B5{}, false_type{}); break;
     case 11: f(B5{}, true_type{}); break;
-    case 12: f(B6{}, false_type{}); break;
-    case 13: f(B6{}, true_type{}); break;
     case 16: f(B8{}, false_type{}); break;
     default: f(B8{}, true_type{}); break;
   }
@@ -440,7 +435,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float
 
 void check_packed(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets, int64_t bits,
                   int64_t group) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "code width must be 4, 5, 6 or 8 bits, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "code width must be 4, 5 or 8 bits, got ", bits);
   TORCH_CHECK(group % 2 == 0 && group > 0, "group size must be even, got ", group);
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == torch::kByte, "codes: [N/16, G, CB] uint8");
   TORCH_CHECK(codes.size(2) == group_bytes(bits, group), "codes: ", codes.size(2), " bytes per group, expected ",
@@ -577,7 +572,7 @@ constexpr bool PAIRS = true;  // AVX2: vpmaddubsw on code pairs (below)
 // 128 * sum(x) back, so the integer is the same. Integer sums are exact, so these are bit for bit the int32 sums
 // of the portable path.
 template <int BITS>
-constexpr int QUADS_I16 = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;  // 4-6-bit codes (8-bit codes sum in int32)
+constexpr int QUADS_I16 = BITS == 4 ? 8 : 4;  // 4- and 5-bit codes (8-bit codes sum in int32)
 
 
 // Codes with a bit set in their 16-bit plane (8 bytes: planes of columns k .. k + 3) get ADD (A: rows 0-7, the
@@ -598,17 +593,16 @@ inline void add_planes(const uint8_t* planes, int k, __m256i& A, __m256i& B) {
   B = _mm256_or_si256(B, _mm256_and_si256(_mm256_cmpeq_epi8(sb, row_bit), add));
 }
 
-// 4-6-bit codes of columns k .. k + 3: the nibble pairs (k, k + 1) | (k + 2, k + 3) of 16 rows, plus the planes.
+// 4- and 5-bit codes of columns k .. k + 3: the nibble pairs (k, k + 1) | (k + 2, k + 3) of 16 rows, plus the plane.
 template <int BITS>
 inline void code_pairs(const uint8_t* c, int64_t g, int k, __m256i& A, __m256i& B) {
-  static_assert(BITS >= 4 && BITS <= 6, "8-bit codes take vpmaddwd (tile_i8)");
+  static_assert(BITS == 4 || BITS == 5, "8-bit codes take vpmaddwd (tile_i8)");
   const __m256i v = _mm256_loadu_si256((const __m256i*)(c + k * 8));
   const __m256i m4 = _mm256_set1_epi8(15);
   const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
   A = _mm256_unpacklo_epi8(lo, hi);
   B = _mm256_unpackhi_epi8(lo, hi);
-  if constexpr (BITS >= 5) add_planes<16>(c + g * 8, k, A, B);
-  if constexpr (BITS == 6) add_planes<32>(c + g * 10, k, A, B);
+  if constexpr (BITS == 5) add_planes<16>(c + g * 8, k, A, B);
 }
 
 // qx [M, K] -> [M, K / 4] registers of activation pairs (see above); 8-bit codes: [M, K / 2] registers of one
@@ -836,15 +830,10 @@ torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
           q = c[k * L + lane];
         } else {
           q = (c[(k / 2) * L + lane] >> (4 * (k % 2))) & 15;
-          if (bits >= 5) {
+          if (bits == 5) {
             uint16_t p;
             std::memcpy(&p, c + group * 8 + 2 * k, 2);
             q += ((p >> lane) & 1) << 4;
-          }
-          if (bits == 6) {
-            uint16_t p;
-            std::memcpy(&p, c + group * 10 + 2 * k, 2);
-            q += ((p >> lane) & 1) << 5;
           }
         }
         const float w = ((float)q - zf) * s;

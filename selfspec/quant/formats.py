@@ -21,10 +21,16 @@ K-quants) are formed here exactly as gguf-py forms them. ``tests/test_quant.py``
 | Q8_0 | 32 | 8 | 128 | d | - | d * int8 (q = int8 + 128) |
 | Q4_K | 32 | 4 | 0 | d * sc | dmin * m | (d * sc) * q - dmin * m |
 | Q5_K | 32 | 5 | 0 | d * sc | dmin * m | (d * sc) * q - dmin * m |
-| Q6_K | 16 | 6 | 32 | d * sc | - | (d * sc) * (q - 32) |
+| Q6_K | 16 | 8 | 128 | d * sc | - | (d * sc) * (q6 - 32), q = q6 + 96 |
 
 F32, F16 and BF16 tensors are plain floats (``float_types``); other GGUF types (Q2_K, Q3_K, the IQ
 types, ...) are refused with the list above (``UnsupportedQuantError``).
+
+Q6_K's 6-bit codes q6 are kept as bytes q = q6 + 96 = (q6 - 32) + 128, Q8_0's form with groups of 16: a byte
+per weight instead of 6 bits (the packed Q6_K matrix 1.25x the size) buys a decode of one sign extension instead
+of a nibble, a permute and two bit planes. Measured on Qwen2.5-0.5B's 896 x 4864 Q6_K matrix (AMD Zen 5, 2
+threads, in one process, bitwise the same outputs): 190 -> 95 us at one x-row, 237 -> 119 at two, 248 -> 170 at
+four.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ class Format:
     """How one GGUF type maps onto the kernels' form."""
 
     group: int  # weights per scale (g)
-    bits: int  # code width: 4, 5, 6 or 8
+    bits: int  # code width: 4, 5 or 8
     zero: int  # z
     offset: bool  # whether o is stored
 
@@ -61,7 +67,7 @@ FORMATS: dict[str, Format] = {
     "Q8_0": Format(32, 8, 128, False),
     "Q4_K": Format(32, 4, 0, True),
     "Q5_K": Format(32, 5, 0, True),
-    "Q6_K": Format(16, 6, 32, False),
+    "Q6_K": Format(16, 8, 128, False),  # the 6-bit codes as bytes + 96 (the module docstring)
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = (*FORMATS, *FLOAT_TYPES)
@@ -131,7 +137,7 @@ def decode(raw: np.ndarray, type_name: str, k: int) -> tuple[np.ndarray, np.ndar
         scale = d[:, None] * sc.astype(np.float32)  # [nb, 16]
         lo = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
         hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
-        q = lo.reshape(-1, 8, 32) | (hi.reshape(-1, 8, 32) << 4)
+        q = (lo.reshape(-1, 8, 32) | (hi.reshape(-1, 8, 32) << 4)) + np.uint8(96)  # (q6 - 32) + 128
     groups = k // fmt.group
     codes = np.ascontiguousarray(q, dtype=np.uint8).reshape(n, k)
     scales = np.ascontiguousarray(scale, dtype=np.float32).reshape(n, groups)

@@ -28,8 +28,8 @@ from selfspec.progress import quiet_transformers
 from selfspec.quant.modules import QuantEmbedding, QuantLinear
 from selfspec.quant.weight import LANES, QuantWeight
 
-PACK_VERSION = 2  # bump when the packed layout (selfspec/kernels/quant.cpp) or the file's changes: old caches
-# are ignored (2: fused runs stored as one tensor)
+PACK_VERSION = 3  # bump when the packed layout (selfspec/kernels/quant.cpp) or the file's changes: old caches
+# are ignored (2: fused runs stored as one tensor; 3: Q6_K's codes as bytes)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # what FastLayer fuses (selfspec.models.fast)
 
 
