@@ -9,8 +9,8 @@
 // (d * sc) * q - dmin * m, Q8_0 is d * (q - 128) with q = int8 + 128, Q6_K is (d * sc) * (q - 128) with
 // q = q6 + 96 (its 6-bit codes kept as bytes, formats.py). Where an offset is subtracted, q * s is exact in
 // float32 (a half-precision scale, or a half times a 6-bit integer, times a code of at most 5 bits), so a
-// fused multiply-subtract rounds identically. The weights of the product are thus the dequantized model's; only the summation order
-// differs from F.linear, as it does for the float32 kernel (gemv.cpp).
+// fused multiply-subtract rounds identically. The weights of the product are thus the dequantized model's;
+// only the summation order differs from F.linear, as it does for the float32 kernel (gemv.cpp).
 //
 // Packed layout (one tensor, made once at load by selfspec/quant/weight.py):
 //   codes    # [N / 16, G, CB] uint8     16 output rows (one vector of lanes) by G groups of g weights
@@ -234,10 +234,11 @@ __attribute__((noinline)) void tile_halves(const float* __restrict x, int64_t ld
 //     sum_k w_k x_k = s * sum_k (q_k - z) x_k              (w = (q - z) * s: Q4_0, Q5_0, Q8_0, Q6_K)
 //     sum_k w_k x_k = s * sum_k q_k x_k  -  o * sum_k x_k  (w = q * s - o: the offset types; xsum = sum_k x_k)
 // so a column costs a permute (or a conversion) and a multiply-add per row instead of a conversion, a
-// multiply-subtract (the weight) and the multiply-add. The weights are the dequantized ones; the rounding is that of a float32 dot product
-// reassociated: for the zero-point types the products keep the weight's sign (no cancellation; measured error
-// against a float64 product 4e-8 of sum |w x|, half the decoding path's), for the offset types the two terms may
-// cancel (measured in docs/QUANTIZED.md). A/B on a Zen 5, 2 threads: docs/QUANTIZED.md.
+// multiply-subtract (the weight) and the multiply-add. The weights are the dequantized ones; the rounding is
+// that of a float32 dot product reassociated: for the zero-point types the products keep the weight's sign (no
+// cancellation; measured error against a float64 product 4e-8 of sum |w x|, half the decoding path's; Q8_0's LM
+// head 6e-8 at most, 1.7e-7 by its weights), for the offset types the two terms may cancel (measured in
+// docs/QUANTIZED.md). A/B on a Zen 5, 2 threads: docs/QUANTIZED.md.
 template <int BITS, bool OFF, int MC>
 inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64_t g,
                         const uint8_t* __restrict codes, const float* __restrict sc, const float* __restrict of,
@@ -478,6 +479,8 @@ LinearArgs linear_args(const torch::Tensor& x, const torch::Tensor& codes, const
                        const torch::Tensor& offsets, int64_t bits, int64_t group, double z, const torch::Tensor& bias,
                        torch::Tensor& out) {
   check_linear(x, codes, scales, offsets, bits, group, bias, out);
+  // bytes are read as q - 128 (tile_lookup flips the top bit; the int8 mode's AVX2 path subtracts 128)
+  TORCH_CHECK(bits != 8 || z == 128.0, "8-bit codes must have zero point 128 (Q8_0, Q6_K), got ", z);
   const bool off = offsets.numel() > 0;
   return {x.size(0), x.size(1), codes.size(0), codes.size(1), out.size(1), out.stride(0),
           codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), off ? offsets.data_ptr<float>() : nullptr,
