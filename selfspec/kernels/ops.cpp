@@ -281,6 +281,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_i8", &qlinear_i8, "qlinear with activations rounded to 8 bits per group (int8 numerics)", nogil);
   m.def("qgemm", &qgemm, "qlinear for many rows (a prefill): panels of the weight dequantized once", nogil);
   m.def("qlinear_i8_vnni", &qlinear_i8_vnni, "whether qlinear_i8 uses AVX-512 VNNI");
+  m.def("qcodes5_words", &qcodes5_words, "whether this build packs 5-bit codes as words (else nibbles and planes)");
   m.def("qdequant", &qdequant, "rows of a block-quantized packed weight as float32", nogil);
   m.def("qdense_t", &qdense_t, "blocks of a block-quantized packed weight as float32, transposed [K, rows]", nogil);
   bind_step(m);  // step.cpp: LayerPlan, run_layers

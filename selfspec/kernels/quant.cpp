@@ -17,11 +17,19 @@
 //   scales   # [N / 16, G, 16] float32   s of each row's group
 //   offsets  # [N / 16, G, 16] float32   o (only for types with one; else an empty tensor)
 // Inside a group of 16 rows x g columns (k = 0 .. g-1), CB bytes:
-//   bits 4, 5: g / 2 vectors of 16 bytes, byte r of vector p = q[r][2p] & 15 | (q[r][2p + 1] & 15) << 4,
-//              then for bits 5 one 16-bit plane per column (bit r = bit 4 of q[r][k]);
-//   bits 8:    g vectors of 16 bytes, byte r of vector k = q[r][k].
-// Worked example, bits 5, rows r0 and r1 only, one column pair: q[r0] = (3, 17), q[r1] = (30, 0) pack as
-// nibble bytes (0x13, 0x0E), plane of k=0: bit 1 set (30 >= 16), plane of k=1: bit 0 set (17 >= 16).
+//   bits 4: g / 2 vectors of 16 bytes, byte r of vector p = q[r][2p] | q[r][2p + 1] << 4;
+//   bits 5 (g = 32), AVX-512 builds ("words"): 5 vectors of 16 32-bit words; bits 5c .. 5c + 4 of word r of vector w hold
+//           q[r][6w + c] (columns 0-29), and the words' top two bits hold columns 30 and 31: with
+//           S = sum_w (word_w >> 30) << 2w, q[r][30] = S & 31 and q[r][31] = S >> 5. 320 bytes, 5 bits a code;
+//   bits 5, AVX2 builds ("planes"): the 4-bit layout, then one 16-bit plane per column (bit r = bit 4 of q[r][k]);
+//   bits 8: g vectors of 16 bytes, byte r of vector k = q[r][k].
+// Worked example, bits 5, one row: codes 1, 2, 3, 4, 5, 6 of columns 0-5 make word 0 = 1 | 2 << 5 | 3 << 10 |
+// 4 << 15 | 5 << 20 | 6 << 25 (+ S's bits 0-1 << 30); a column's code is one shift (and a mask) of its word, so
+// the AVX-512 path below gets its value from a 32-entry table with one two-source permute, which reads only
+// the index's low five bits, and the int8 mode's bytes with one vpmultishiftqb. With planes the fifth bit
+// costs a mask load and a masked add per column: ~4 vector ops a column against ~2.8 (docs/QUANTIZED.md has
+// the A/B). AVX2 has neither permute, and its paths measured 0.7-0.9x (int8: 0.3-0.45x) on words, so AVX2
+// builds keep planes: the layout is the build's (words5(), PACK_VERSION's layout tag in the packed cache).
 //
 // Each column's 16 weights are one vector, so a tile of MC x-rows keeps MC accumulators of 16 outputs,
 // one broadcast multiply-add per x-row and column, and no horizontal sums (as gemv.cpp).
@@ -83,7 +91,10 @@ inline vi widen(const uint8_t* p) {  // VL bytes -> VL int32 (vpmovzxbd; GCC's g
 #endif
 }
 
-#if !defined(__AVX512F__)
+#if defined(__AVX512F__)
+constexpr bool WORDS5 = true;  // 5-bit codes as words (the layout above)
+#else
+constexpr bool WORDS5 = false;  // 5-bit codes as nibbles and planes
 // AVX2 has no masked add: the 8 lanes of a half get a plane's bits from a table, one row per byte value (lane r of
 // row b holds ADD where bit r of b is set, else 0), so a plane costs one add with its load folded in instead of a
 // broadcast, a lane-bit test and a mask (8 KB per table, L1-resident).
@@ -96,28 +107,46 @@ struct PlaneTable {
   }
 };
 const PlaneTable<16> plane16;
-#endif
 
-// q plus ADD in the lanes (of half h) whose bit is set in the 16-bit plane of column k (one masked add on AVX-512,
-// one table row on AVX2).
-template <int32_t ADD>
+// q plus 16 in the lanes (of half h) whose bit is set in the 16-bit plane of column k (one table row).
 inline vi add_plane(vi q, const uint8_t* planes, int k, int h) {
-#if defined(__AVX512F__)
-  (void)h;
-  uint16_t bits;
-  std::memcpy(&bits, planes + 2 * k, 2);
-  return (vi)_mm512_mask_add_epi32((__m512i)q, (__mmask16)bits, (__m512i)q, _mm512_set1_epi32(ADD));
-#else
-  static_assert(ADD == 16, "the plane is bit 4");
   const int32_t* row = plane16.v[planes[2 * k + h]];  // byte h: lanes 8h .. 8h + 7
   vi t;
   std::memcpy(&t, row, sizeof t);
   return q + t;
+}
 #endif
+
+// 5-bit codes as words: lanes [VL h, VL h + VL) of word w, the spare bits S, column k's codes.
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+inline vu word5(const uint8_t* cg, int w, int h) {
+  vu v;
+  std::memcpy(&v, cg + (w * L + VL * h) * 4, sizeof v);
+  return v;
+}
+inline vu spare5(const uint8_t* cg, int h) {
+  vu t = word5(cg, 4, h) >> 30;
+  for (int w = 3; w >= 0; --w) t = (t << 2) | (word5(cg, w, h) >> 30);
+  return t;
+}
+inline vi code5(const uint8_t* cg, int k, int h) {
+  const vu v = k < 30 ? word5(cg, k / 6, h) >> (5 * (k % 6)) : spare5(cg, h) >> (5 * (k - 30));
+  return (vi)(v & 31);
+}
+inline int32_t code5_at(const uint8_t* cg, int64_t k, int64_t lane) {  // one row's code (qdequant)
+  const auto word = [&](int64_t w) {
+    uint32_t v;
+    std::memcpy(&v, cg + (w * L + lane) * 4, 4);
+    return v;
+  };
+  if (k < 30) return (int32_t)(word(k / 6) >> (5 * (k % 6)) & 31);
+  uint32_t t = 0;
+  for (int64_t w = 4; w >= 0; --w) t = t << 2 | word(w) >> 30;
+  return (int32_t)(t >> (5 * (k - 30)) & 31);
 }
 
 inline int64_t group_bytes(int bits, int64_t g) {
-  return bits == 8 ? g * L : g * 8 + (bits - 4) * g * 2;
+  return bits == 8 ? g * L : bits == 5 ? g * 10 : g * 8;
 }
 
 // Group j + AHEAD's codes, scales (and offsets) on their way to L1 while group j is computed: one row's kernel
@@ -134,17 +163,24 @@ inline void prefetch_group(const uint8_t* codes, int64_t CB, const float* sc, co
 // The codes of columns k and k + 1 of one group (k even), lanes [VL h, VL h + VL).
 template <int BITS>
 inline void column_pair(const uint8_t* c, int64_t g, int k, int h, vi& q0, vi& q1) {
+  (void)g;
   if constexpr (BITS == 8) {
     q0 = widen(c + k * L + VL * h);
     q1 = widen(c + (k + 1) * L + VL * h);
+  } else if constexpr (BITS == 5 && WORDS5) {  // k even: k and k + 1 share a word (or are S's two codes)
+    const vu v = k < 30 ? word5(c, k / 6, h) >> (5 * (k % 6)) : spare5(c, h);
+    q0 = (vi)(v & 31);
+    q1 = (vi)((v >> 5) & 31);
   } else {
     const vi q = widen(c + k * 8 + VL * h);
     q0 = q & 15;
     q1 = q >> 4;
+#if !defined(__AVX512F__)
     if constexpr (BITS == 5) {
-      q0 = add_plane<16>(q0, c + g * 8, k, h);
-      q1 = add_plane<16>(q1, c + g * 8, k + 1, h);
+      q0 = add_plane(q0, c + g * 8, k, h);
+      q1 = add_plane(q1, c + g * 8, k + 1, h);
     }
+#endif
   }
 }
 
@@ -227,10 +263,10 @@ __attribute__((noinline)) void tile_halves(const float* __restrict x, int64_t ld
 }
 
 #if defined(__AVX512F__)
-// Codes on AVX-512, where decoding is most of a decoding step's work (one x-row reads each weight once): a 4- or
-// 5-bit code's value q - z comes from a 16-entry table by one permute of its nibble (exact: a small integer; the
-// fifth bit adds 16 with one masked add), a byte's (Q8_0, Q6_K; z = 128) by flipping its top bit and reading it as
-// signed; the value is multiplied into the x-row's sum of its group, and the group's sum is scaled once:
+// Codes on AVX-512, where decoding is most of a decoding step's work (one x-row reads each weight once): a 4-bit
+// code's value q - z comes from a 16-entry table by one permute of its nibble (exact: a small integer), a 5-bit
+// code's from a 32-entry table by one two-source permute of its word shifted, a byte's (Q8_0, Q6_K; z = 128) by
+// flipping its top bit and reading it as signed; the value is multiplied into the x-row's sum of its group, and the group's sum is scaled once:
 //     sum_k w_k x_k = s * sum_k (q_k - z) x_k              (w = (q - z) * s: Q4_0, Q5_0, Q8_0, Q6_K)
 //     sum_k w_k x_k = s * sum_k q_k x_k  -  o * sum_k x_k  (w = q * s - o: the offset types; xsum = sum_k x_k)
 // so a column costs a permute (or a conversion) and a multiply-add per row instead of a conversion, a
@@ -244,18 +280,14 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
                         const uint8_t* __restrict codes, const float* __restrict sc, const float* __restrict of,
                         const float* __restrict xsum, float z, float* __restrict res) {
   static_assert(BITS == 4 || BITS == 5 || (BITS == 8 && !OFF), "4- or 5-bit codes, or bytes with z = 128");
-  alignas(64) float t[16];
-  for (int i = 0; i < 16; ++i) t[i] = (float)i - z;
-  const __m512 table = _mm512_load_ps(t);
-  // float(q - z) for a nibble q: vpermps reads only the low four bits of each index, so q needs no mask
+  alignas(64) float t[32];
+  for (int i = 0; i < 32; ++i) t[i] = (float)i - z;
+  const __m512 table = _mm512_load_ps(t), table_hi = _mm512_load_ps(t + 16);
+  // float(q - z) for a nibble q: vpermps reads only the low four bits of each index, so q needs no mask; for a
+  // 5-bit code vpermt2ps reads the low five (the other codes of its word above them are ignored)
   const auto value = [&](vi q) -> vf { return (vf)_mm512_permutexvar_ps((__m512i)q, table); };
-  // where bit 4 of a code is set in its column's 16-bit plane, the value gets 16 more (exact: small integers); a
-  // float add, where adding 16 to the index would need a two-source permute (4 to 8 x-rows: Q5_0 5-10% slower)
-  const auto plane = [&](vf v, const uint8_t* planes, int k) -> vf {
-    uint16_t bits;
-    std::memcpy(&bits, planes + 2 * k, 2);
-    return (vf)_mm512_mask_add_ps((__m512)v, (__mmask16)bits, (__m512)v, _mm512_set1_ps(16.f));
-  };
+  const auto value5 = [&](vu q) -> vf { return (vf)_mm512_permutex2var_ps(table, (__m512i)q, table_hi); };
+  const int gk = BITS == 5 ? 32 : (int)g;  // 5-bit codes come in groups of 32 (check_packed): loops unroll
   constexpr bool TWO = MC <= 4;  // two partial sums per row while registers last (four for one row)
   vf acc[MC];
   for (int m = 0; m < MC; ++m) acc[m] = vf{};
@@ -268,9 +300,25 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
     vf p[NP][MC];
     for (int i = 0; i < NP; ++i)
       for (int m = 0; m < MC; ++m) p[i][m] = vf{};
+    vu W[BITS == 5 ? 5 : 1], S{};  // 5-bit codes: the group's five words (16 rows each) and their spare bits
+    if constexpr (BITS == 5) {
+      for (int w = 0; w < 5; ++w) W[w] = word5(cg, w, 0);
+      S = W[4] >> 30;
+      for (int w = 3; w >= 0; --w) {
+#if defined(__AVX512VBMI2__)
+        S = (vu)_mm512_shldi_epi32((__m512i)S, (__m512i)W[w], 2);  // (S << 2) | (W[w] >> 30)
+#else
+        S = (S << 2) | (W[w] >> 30);
+#endif
+      }
+    }
     const auto pair = [&](int k, vf* a, vf* b) {  // columns k, k + 1 into the sums a, b
       vf v0, v1;
-      if constexpr (BITS == 8) {  // q - 128 = the byte with its top bit flipped, read as signed (z is 128)
+      if constexpr (BITS == 5) {  // k even: k and k + 1 share a word, or are S's two codes
+        const vu q = k < 30 ? (k % 6 ? W[k / 6] >> (5 * (k % 6)) : W[k / 6]) : S;
+        v0 = value5(q);
+        v1 = value5(q >> 5);
+      } else if constexpr (BITS == 8) {  // q - 128 = the byte with its top bit flipped, read as signed (z is 128)
         const __m128i flip = _mm_set1_epi8(-128);
         const __m128i b0 = _mm_xor_si128(_mm_loadu_si128((const __m128i*)(cg + k * L)), flip);
         const __m128i b1 = _mm_xor_si128(_mm_loadu_si128((const __m128i*)(cg + (k + 1) * L)), flip);
@@ -280,10 +328,6 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
         const vi q = widen(cg + k * 8);  // byte r: column k's code in the low nibble, column k + 1's in the high
         v0 = value(q);
         v1 = value(q >> 4);
-        if constexpr (BITS == 5) {
-          v0 = plane(v0, cg + g * 8, k);
-          v1 = plane(v1, cg + g * 8, k + 1);
-        }
       }
       for (int m = 0; m < MC; ++m) {
         a[m] = fma(v0, bcast(xj[m * ldx + k]), a[m]);
@@ -291,12 +335,14 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
       }
     };
     if constexpr (NP == 4) {
-      for (int k = 0; k < g; k += 4) {
+#pragma GCC unroll 8
+      for (int k = 0; k < gk; k += 4) {
         pair(k, p[0], p[1]);
         pair(k + 2, p[2], p[NP - 1]);
       }
     } else {
-      for (int k = 0; k < g; k += 2) pair(k, p[0], p[NP - 1]);
+#pragma GCC unroll 16
+      for (int k = 0; k < gk; k += 2) pair(k, p[0], p[NP - 1]);
     }
     const vf s = loadf(sc + j * L);
     for (int m = 0; m < MC; ++m) {
@@ -438,6 +484,7 @@ void check_packed(const torch::Tensor& codes, const torch::Tensor& scales, const
                   int64_t group) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "code width must be 4, 5 or 8 bits, got ", bits);
   TORCH_CHECK(group % 2 == 0 && group > 0, "group size must be even, got ", group);
+  TORCH_CHECK(bits != 5 || group == 32, "5-bit codes come in groups of 32, got ", group);
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == torch::kByte, "codes: [N/16, G, CB] uint8");
   TORCH_CHECK(codes.size(2) == group_bytes(bits, group), "codes: ", codes.size(2), " bytes per group, expected ",
               group_bytes(bits, group));
@@ -514,6 +561,29 @@ namespace {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__BMI2__)
 constexpr bool VNNI = true;
+// 5-bit codes of columns k .. k + 3 (k a multiple of 4) from a group's words W and spare bits S: dword r =
+// q[r][k .. k + 3]. vpmultishiftqb picks each byte from any bit offset of its qword (two rows' words), so the
+// four codes are one pick and a mask; where they span two words (k % 6 == 4) the last two come from the next
+// word (or S, whose codes sit at bits 0 and 5) by a second, merging pick.
+inline __m512i quad5(const vu* W, vu S, int k) {
+  const int w = k / 6, c = k % 6;  // column k's word and slot: c is 0, 2 or 4
+  const auto picks = [](int o0, int o1, int o2, int o3) {  // byte offsets in a qword: the low row's, the high row's
+    uint64_t v = 0;
+    const int o[4] = {o0, o1, o2, o3};
+    for (int i = 0; i < 4; ++i) v |= (uint64_t)o[i] << (8 * i) | (uint64_t)(o[i] + 32) << (8 * (i + 4));
+    return _mm512_set1_epi64((int64_t)v);
+  };
+  const __m512i a = (__m512i)W[w];
+  __m512i r;
+  if (c <= 2) {
+    r = _mm512_multishift_epi64_epi8(picks(5 * c, 5 * c + 5, 5 * c + 10, 5 * c + 15), a);
+  } else {
+    const __m512i b = (__m512i)(w + 1 < 5 ? W[w + 1] : S);
+    r = _mm512_multishift_epi64_epi8(picks(20, 25, 0, 0), a);
+    r = _mm512_mask_multishift_epi64_epi8(r, 0xCCCCCCCCCCCCCCCCull, picks(0, 0, 0, 5), b);
+  }
+  return _mm512_and_si512(r, _mm512_set1_epi8(31));
+}
 // The codes of columns k .. k + 3 of a group's 16 rows as one register: dword r = q[r][k .. k + 3].
 template <int BITS>
 inline __m512i four_columns(const uint8_t* c, int64_t g, int k) {
@@ -526,7 +596,13 @@ inline __m512i four_columns(const uint8_t* c, int64_t g, int k) {
       return _mm512_load_si512(t);
     }();
     w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(c + k * L));
+  } else if constexpr (BITS == 5) {
+    (void)g;
+    vu W[5];
+    for (int i = 0; i < 5; ++i) W[i] = word5(c, i, 0);
+    w = quad5(W, spare5(c, 0), k);
   } else {
+    (void)g;
     static const __m512i idx = [] {
       alignas(64) uint8_t t[64];
       for (int r = 0; r < 16; ++r) {
@@ -539,16 +615,6 @@ inline __m512i four_columns(const uint8_t* c, int64_t g, int k) {
     const __m512i nib = _mm512_set1_epi8(15);
     w = _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, _mm512_and_si512(t, nib),
                                _mm512_and_si512(_mm512_srli_epi16(t, 4), nib));
-    for (int bit = 4; bit < BITS; ++bit) {
-      const uint8_t* planes = c + g * 8 + (bit - 4) * g * 2;
-      uint64_t mask = 0;
-      for (int kk = 0; kk < 4; ++kk) {
-        uint16_t p;
-        std::memcpy(&p, planes + 2 * (k + kk), 2);
-        mask |= _pdep_u64(p, 0x1111111111111111ull) << kk;
-      }
-      w = _mm512_mask_add_epi8(w, mask, w, _mm512_set1_epi8((char)(1 << bit)));
-    }
   }
   return w;
 }
@@ -649,8 +715,22 @@ void tile_i8(const int8_t* __restrict qx, const int8_t* __restrict xp, const flo
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__BMI2__)
     __m512i is[2][MC];  // two independent integer sums per row (exact: their order cannot matter)
     for (int m = 0; m < MC; ++m) is[0][m] = is[1][m] = _mm512_setzero_si512();
-    for (int k = 0; k < g; k += 8) {
-      const __m512i w0 = four_columns<BITS>(cg, g, k), w1 = four_columns<BITS>(cg, g, k + 4);
+    vu W[BITS == 5 ? 5 : 1], S{};  // 5-bit codes: the group's words and spare bits, read once (quad5)
+    if constexpr (BITS == 5) {
+      for (int i = 0; i < 5; ++i) W[i] = word5(cg, i, 0);
+      S = spare5(cg, 0);
+    }
+    const int gk = BITS == 5 ? 32 : (int)g;
+#pragma GCC unroll 4
+    for (int k = 0; k < gk; k += 8) {
+      __m512i w0, w1;
+      if constexpr (BITS == 5) {
+        w0 = quad5(W, S, k);
+        w1 = quad5(W, S, k + 4);
+      } else {
+        w0 = four_columns<BITS>(cg, g, k);
+        w1 = four_columns<BITS>(cg, g, k + 4);
+      }
       for (int m = 0; m < MC; ++m) {
         int32_t xb[2];
         std::memcpy(xb, qx + m * K + j * g + k, 8);
@@ -802,6 +882,8 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
 
 bool qlinear_i8_vnni() { return VNNI; }
 
+bool qcodes5_words() { return WORDS5; }
+
 // Rows ``ids`` of the packed weight as float32: out [len(ids), K] (an embedding lookup, a slice of the
 // LM head, the reference backend's on-demand weights). The same formula as the kernel.
 torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
@@ -829,9 +911,9 @@ torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
       const float o = op ? op[(b * G + j) * L + lane] : 0.f;
       for (int64_t k = 0; k < group; ++k) {
         int32_t q;
-        if (bits == 8) {
-          q = c[k * L + lane];
-        } else {
+        if (bits == 8) q = c[k * L + lane];
+        else if (bits == 5 && WORDS5) q = code5_at(c, k, lane);
+        else {
           q = (c[(k / 2) * L + lane] >> (4 * (k % 2))) & 15;
           if (bits == 5) {
             uint16_t p;

@@ -26,11 +26,16 @@ from selfspec.errors import ModelNotFoundError
 from selfspec.paths import atomic_dir
 from selfspec.progress import quiet_transformers
 from selfspec.quant.modules import QuantEmbedding, QuantLinear
-from selfspec.quant.weight import LANES, QuantWeight
+from selfspec.quant.weight import LANES, QuantWeight, pack_layout
 
-PACK_VERSION = 3  # bump when the packed layout (selfspec/kernels/quant.cpp) or the file's changes: old caches
-# are ignored (2: fused runs stored as one tensor; 3: Q6_K's codes as bytes)
+PACK_VERSION = 4  # bump when the packed layout (selfspec/kernels/quant.cpp) or the file's changes: old caches
+# are ignored (2: fused runs stored as one tensor; 3: Q6_K's codes as bytes; 4: 5-bit codes as words)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # what FastLayer fuses (selfspec.models.fast)
+
+
+def _version() -> str:
+    """PACK_VERSION and this build's layout of 5-bit codes (``pack_layout``): the packed file's "version"."""
+    return f"{PACK_VERSION}-{pack_layout()}"
 
 
 def fused_runs(quant: dict[str, QuantWeight]) -> list[list[str]]:
@@ -70,7 +75,7 @@ def load_packed(cache: Path) -> tuple[Any, dict[str, QuantWeight], dict[str, tor
     quant, floats = {}, {}
     with safe_open(str(cache / "packed.safetensors"), framework="pt") as f:
         meta = f.metadata() or {}
-        if meta.get("version") != str(PACK_VERSION):
+        if meta.get("version") != _version():
             return None
         keys = set(f.keys())
         modules = json.loads(meta["modules"])
@@ -111,7 +116,7 @@ def save_packed(cache: Path, config: Any, quant: dict[str, QuantWeight], floats:
     with atomic_dir(cache) as tmp:
         config.save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "packed.safetensors"),
-                  metadata={"modules": json.dumps(modules), "runs": json.dumps(runs), "version": str(PACK_VERSION)})
+                  metadata={"modules": json.dumps(modules), "runs": json.dumps(runs), "version": _version()})
 
 
 def _detached(qw: QuantWeight) -> QuantWeight:

@@ -3,7 +3,7 @@
 ``QuantWeight.from_gguf(raw, type_name, k)`` decodes a GGUF tensor's rows (``selfspec.quant.formats``)
 and interleaves 16 output rows per block, so a column of the block is one vector of codes:
 
-    codes    # [N / 16, G, CB] uint8   (CB bytes per group: nibble pairs, high-bit planes, or bytes)
+    codes    # [N / 16, G, CB] uint8   (CB bytes per group: nibble pairs, 5-bit words or planes, or bytes)
     scales   # [N / 16, G, 16] float32
     offsets  # [N / 16, G, 16] float32, or an empty tensor
 
@@ -38,6 +38,7 @@ KERNEL_ROWS = 16  # x-rows per kernel call: the kernel keeps one accumulator per
 # panels 1.1-1.2x the kernel on Q5_0 / Q4_K / Q6_K, level on Q4_0, torch's GEMM slowest), so it is measured once
 # per machine and type (``prefill_path``). Same weights every way, so the same target; the int8 mode keeps its kernel.
 PANEL_ROWS = 32
+WORDS5_GROUP = 32  # 5-bit codes are packed per group of 32 columns (every 5-bit GGUF type's group)
 GEMM_ROWS = 128
 GEMM_TILE = 1 << 20  # float32 weights per dequantized tile (4 MB: stays in cache while the GEMM reads it)
 PREFILL_PATHS = ("kernel", "panels", "torch")
@@ -85,12 +86,52 @@ def _pack_codes(codes: np.ndarray, fmt: Format) -> np.ndarray:  # [N_pad, K] -> 
     q = codes.reshape(n // LANES, LANES, groups, g).transpose(0, 2, 3, 1)  # [NB, G, g, 16]: column k's 16 rows
     if fmt.bits == 8:
         return np.ascontiguousarray(q).reshape(n // LANES, groups, g * LANES)
+    if fmt.bits == 5 and words5():
+        return _pack_words5(q)
     parts = [(q[:, :, 0::2] & 15) | ((q[:, :, 1::2] & 15) << 4)]  # [NB, G, g/2, 16] nibble pairs
-    weights = (1 << np.arange(LANES, dtype=np.uint32)).astype(np.uint32)
-    for bit in range(4, fmt.bits):  # one 16-bit plane per column and high bit
-        plane = (((q >> bit) & 1).astype(np.uint32) * weights).sum(axis=-1).astype(np.uint16)  # [NB, G, g]
+    if fmt.bits == 5:  # one 16-bit plane per column: bit r = bit 4 of row r's code
+        weights = (1 << np.arange(LANES, dtype=np.uint32)).astype(np.uint32)
+        plane = (((q >> 4) & 1).astype(np.uint32) * weights).sum(axis=-1).astype(np.uint16)  # [NB, G, g]
         parts.append(plane.view(np.uint8).reshape(n // LANES, groups, g * 2))
     return np.concatenate([p.reshape(n // LANES, groups, -1) for p in parts], axis=-1)
+
+
+def words5() -> bool:
+    """Whether this machine's kernel build packs 5-bit codes as words (AVX-512) or as nibbles and planes (AVX2):
+    the layout each build's paths decode fastest (quant.cpp's header)."""
+    return bool(built_extension().qcodes5_words())
+
+
+def pack_layout() -> str:
+    """The packed layout's name beside PACK_VERSION (a cache packed by another build is packed again)."""
+    return "w5" if words5() else "p5"
+
+
+def _pack_words5(q: np.ndarray) -> np.ndarray:  # [NB, G, 32, 16] 5-bit codes -> [NB, G, 320] (quant.cpp: "words")
+    nb, groups, g, _ = q.shape
+    if g != WORDS5_GROUP:
+        raise ValueError(f"5-bit codes are packed in groups of {WORDS5_GROUP}, got {g}")
+    q = q.astype(np.uint32)
+    words = np.zeros((nb, groups, 5, LANES), dtype=np.uint32)
+    for w in range(5):
+        for c in range(6):
+            words[:, :, w] |= q[:, :, 6 * w + c] << (5 * c)
+    spare = q[:, :, 30] | q[:, :, 31] << 5  # [NB, G, 16] ten bits, two in the top of each word
+    for w in range(5):
+        words[:, :, w] |= ((spare >> (2 * w)) & 3) << 30
+    return words.astype("<u4").view(np.uint8).reshape(nb, groups, 5 * LANES * 4)
+
+
+def _unpack_words5(c: np.ndarray) -> np.ndarray:  # [NB, G, 320] -> [NB, G, 32, 16] (inverse of _pack_words5)
+    nb, groups = c.shape[:2]
+    words = np.ascontiguousarray(c).view("<u4").reshape(nb, groups, 5, LANES)
+    q = np.empty((nb, groups, WORDS5_GROUP, LANES), dtype=np.uint8)
+    for w in range(5):
+        for i in range(6):
+            q[:, :, 6 * w + i] = (words[:, :, w] >> (5 * i)) & 31
+    spare = sum(((words[:, :, w] >> 30) & 3) << (2 * w) for w in range(5))
+    q[:, :, 30], q[:, :, 31] = spare & 31, spare >> 5
+    return q
 
 
 def _pack_groups(v: np.ndarray) -> np.ndarray:  # [N_pad, G] -> [N_pad / 16, G, 16]
@@ -229,13 +270,15 @@ class QuantWeight:
         g = fmt.group
         if fmt.bits == 8:
             q = c.reshape(nb, groups, g, LANES)
+        elif fmt.bits == 5 and words5():
+            q = _unpack_words5(c)
         else:
             pairs = c[:, :, : g * 8].reshape(nb, groups, g // 2, LANES)
             q = np.empty((nb, groups, g, LANES), dtype=np.uint8)
             q[:, :, 0::2], q[:, :, 1::2] = pairs & 15, pairs >> 4
-            for i, bit in enumerate(range(4, fmt.bits)):
-                plane = c[:, :, g * 8 + i * g * 2 : g * 8 + (i + 1) * g * 2].copy().view(np.uint16)  # [NB, G, g]
-                q |= (((plane[..., None] >> np.arange(LANES, dtype=np.uint16)) & 1) << bit).astype(np.uint8)
+            if fmt.bits == 5:
+                plane = c[:, :, g * 8 :].copy().view(np.uint16)  # [NB, G, g]
+                q |= (((plane[..., None] >> np.arange(LANES, dtype=np.uint16)) & 1) << 4).astype(np.uint8)
         codes = q.transpose(0, 3, 1, 2).reshape(nb * LANES, groups * g)[:n]
 
         def groups_of(t: torch.Tensor) -> np.ndarray:
