@@ -18,8 +18,8 @@
 //   offsets  # [N / 16, G, 16] float32   o (only for types with one; else an empty tensor)
 // Inside a group of 16 rows x g columns (k = 0 .. g-1), CB bytes:
 //   bits 4: g / 2 vectors of 16 bytes, byte r of vector p = q[r][2p] | q[r][2p + 1] << 4;
-//   bits 5 (g = 32), AVX-512 builds ("words"): 5 vectors of 16 32-bit words; bits 5c .. 5c + 4 of word r of vector w hold
-//           q[r][6w + c] (columns 0-29), and the words' top two bits hold columns 30 and 31: with
+//   bits 5 (g = 32), AVX-512 builds ("words"): 5 vectors of 16 32-bit words; bits 5c .. 5c + 4 of word r of
+//           vector w hold q[r][6w + c] (columns 0-29), and the words' top two bits hold columns 30 and 31: with
 //           S = sum_w (word_w >> 30) << 2w, q[r][30] = S & 31 and q[r][31] = S >> 5. 320 bytes, 5 bits a code;
 //   bits 5, AVX2 builds ("planes"): the 4-bit layout, then one 16-bit plane per column (bit r = bit 4 of q[r][k]);
 //   bits 8: g vectors of 16 bytes, byte r of vector k = q[r][k].
@@ -117,7 +117,7 @@ inline vi add_plane(vi q, const uint8_t* planes, int k, int h) {
 }
 #endif
 
-// 5-bit codes as words: lanes [VL h, VL h + VL) of word w, the spare bits S, column k's codes.
+// 5-bit codes as words: lanes [VL h, VL h + VL) of word w, the spare bits S, one row's code of column k.
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 inline vu word5(const uint8_t* cg, int w, int h) {
   vu v;
@@ -128,10 +128,6 @@ inline vu spare5(const uint8_t* cg, int h) {
   vu t = word5(cg, 4, h) >> 30;
   for (int w = 3; w >= 0; --w) t = (t << 2) | (word5(cg, w, h) >> 30);
   return t;
-}
-inline vi code5(const uint8_t* cg, int k, int h) {
-  const vu v = k < 30 ? word5(cg, k / 6, h) >> (5 * (k % 6)) : spare5(cg, h) >> (5 * (k - 30));
-  return (vi)(v & 31);
 }
 inline int32_t code5_at(const uint8_t* cg, int64_t k, int64_t lane) {  // one row's code (qdequant)
   const auto word = [&](int64_t w) {
@@ -266,7 +262,8 @@ __attribute__((noinline)) void tile_halves(const float* __restrict x, int64_t ld
 // Codes on AVX-512, where decoding is most of a decoding step's work (one x-row reads each weight once): a 4-bit
 // code's value q - z comes from a 16-entry table by one permute of its nibble (exact: a small integer), a 5-bit
 // code's from a 32-entry table by one two-source permute of its word shifted, a byte's (Q8_0, Q6_K; z = 128) by
-// flipping its top bit and reading it as signed; the value is multiplied into the x-row's sum of its group, and the group's sum is scaled once:
+// flipping its top bit and reading it as signed; the value is multiplied into the x-row's sum of its group, and the
+// group's sum is scaled once:
 //     sum_k w_k x_k = s * sum_k (q_k - z) x_k              (w = (q - z) * s: Q4_0, Q5_0, Q8_0, Q6_K)
 //     sum_k w_k x_k = s * sum_k q_k x_k  -  o * sum_k x_k  (w = q * s - o: the offset types; xsum = sum_k x_k)
 // so a column costs a permute (or a conversion) and a multiply-add per row instead of a conversion, a
