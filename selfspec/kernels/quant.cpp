@@ -117,17 +117,25 @@ inline vi add_plane(vi q, const uint8_t* planes, int k, int h) {
 }
 #endif
 
-// 5-bit codes as words: lanes [VL h, VL h + VL) of word w, the spare bits S, one row's code of column k.
+// 5-bit codes as words (AVX-512 builds, so one vector holds a word's 16 rows): word w of a group, all five words
+// with their spare bits S (columns 30 and 31, returned), one row's code of column k.
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
-inline vu word5(const uint8_t* cg, int w, int h) {
+inline vu word5(const uint8_t* cg, int w) {
   vu v;
-  std::memcpy(&v, cg + (w * L + VL * h) * 4, sizeof v);
+  std::memcpy(&v, cg + w * L * 4, sizeof v);
   return v;
 }
-inline vu spare5(const uint8_t* cg, int h) {
-  vu t = word5(cg, 4, h) >> 30;
-  for (int w = 3; w >= 0; --w) t = (t << 2) | (word5(cg, w, h) >> 30);
-  return t;
+inline vu words5(const uint8_t* cg, vu* W) {
+  for (int w = 0; w < 5; ++w) W[w] = word5(cg, w);
+  vu S = W[4] >> 30;
+  for (int w = 3; w >= 0; --w) {
+#if defined(__AVX512VBMI2__)
+    S = (vu)_mm512_shldi_epi32((__m512i)S, (__m512i)W[w], 2);  // (S << 2) | (W[w] >> 30)
+#else
+    S = (S << 2) | (W[w] >> 30);
+#endif
+  }
+  return S;
 }
 inline int32_t code5_at(const uint8_t* cg, int64_t k, int64_t lane) {  // one row's code (qdequant)
   const auto word = [&](int64_t w) {
@@ -163,8 +171,9 @@ inline void column_pair(const uint8_t* c, int64_t g, int k, int h, vi& q0, vi& q
   if constexpr (BITS == 8) {
     q0 = widen(c + k * L + VL * h);
     q1 = widen(c + (k + 1) * L + VL * h);
-  } else if constexpr (BITS == 5 && WORDS5) {  // k even: k and k + 1 share a word (or are S's two codes)
-    const vu v = k < 30 ? word5(c, k / 6, h) >> (5 * (k % 6)) : spare5(c, h);
+  } else if constexpr (BITS == 5 && WORDS5) {  // k even: k and k + 1 share a word (or are S's two codes); h is 0
+    vu W[5];
+    const vu v = k < 30 ? word5(c, k / 6) >> (5 * (k % 6)) : words5(c, W);
     q0 = (vi)(v & 31);
     q1 = (vi)((v >> 5) & 31);
   } else {
@@ -297,18 +306,8 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
     vf p[NP][MC];
     for (int i = 0; i < NP; ++i)
       for (int m = 0; m < MC; ++m) p[i][m] = vf{};
-    vu W[BITS == 5 ? 5 : 1], S{};  // 5-bit codes: the group's five words (16 rows each) and their spare bits
-    if constexpr (BITS == 5) {
-      for (int w = 0; w < 5; ++w) W[w] = word5(cg, w, 0);
-      S = W[4] >> 30;
-      for (int w = 3; w >= 0; --w) {
-#if defined(__AVX512VBMI2__)
-        S = (vu)_mm512_shldi_epi32((__m512i)S, (__m512i)W[w], 2);  // (S << 2) | (W[w] >> 30)
-#else
-        S = (S << 2) | (W[w] >> 30);
-#endif
-      }
-    }
+    vu W[5], S{};  // 5-bit codes: the group's five words (16 rows each) and their spare bits
+    if constexpr (BITS == 5) S = words5(cg, W);
     const auto pair = [&](int k, vf* a, vf* b) {  // columns k, k + 1 into the sums a, b
       vf v0, v1;
       if constexpr (BITS == 5) {  // k even: k and k + 1 share a word, or are S's two codes
@@ -596,8 +595,8 @@ inline __m512i four_columns(const uint8_t* c, int64_t g, int k) {
   } else if constexpr (BITS == 5) {
     (void)g;
     vu W[5];
-    for (int i = 0; i < 5; ++i) W[i] = word5(c, i, 0);
-    w = quad5(W, spare5(c, 0), k);
+    const vu S = words5(c, W);
+    w = quad5(W, S, k);
   } else {
     (void)g;
     static const __m512i idx = [] {
@@ -712,11 +711,8 @@ void tile_i8(const int8_t* __restrict qx, const int8_t* __restrict xp, const flo
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__BMI2__)
     __m512i is[2][MC];  // two independent integer sums per row (exact: their order cannot matter)
     for (int m = 0; m < MC; ++m) is[0][m] = is[1][m] = _mm512_setzero_si512();
-    vu W[BITS == 5 ? 5 : 1], S{};  // 5-bit codes: the group's words and spare bits, read once (quad5)
-    if constexpr (BITS == 5) {
-      for (int i = 0; i < 5; ++i) W[i] = word5(cg, i, 0);
-      S = spare5(cg, 0);
-    }
+    vu W[5], S{};  // 5-bit codes: the group's words and spare bits, read once (quad5)
+    if constexpr (BITS == 5) S = words5(cg, W);
     const int gk = BITS == 5 ? 32 : (int)g;
 #pragma GCC unroll 4
     for (int k = 0; k < gk; k += 8) {
