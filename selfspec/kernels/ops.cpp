@@ -90,7 +90,9 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 // -ffast-math): x = k ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7),
 // 2^k through the exponent bits (e^88 = 1.65e38 is still finite).
 inline float exp_poly(float x) {
-  const float k = std::floor(x * 1.44269504f + 0.5f);
+  const float y = x * 1.44269504f + 0.5f;
+  const float t = static_cast<float>(static_cast<int32_t>(y));  // floor(y) as truncation, one down below zero:
+  const float k = t > y ? t - 1.f : t;  // bitwise std::floor here, which GCC 12 did not vectorize (a scalar call)
   const float r = x - k * 0.693145752f - k * 1.42860677e-6f;  // ln2 split in two for an exact k ln2
   float p = 1.f / 720.f;
   p = p * r + 1.f / 120.f;
@@ -103,12 +105,12 @@ inline float exp_poly(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
-// e^x for x <= 0 (softmax weights after the max is subtracted); x < -87 gives e^-87.
-inline float exp_nonpos(float x) { return exp_poly(x < -87.f ? -87.f : x); }
-
-// e^x for any x, clamped to [-87, 88]: silu's exp (std::exp was a scalar call per element there, 5 ns each,
-// 0.6 ms of a Qwen2.5-0.5B step).
-inline float exp_clamped(float x) { return exp_poly(x > 88.f ? 88.f : (x < -87.f ? -87.f : x)); }
+// e^x of n values in place, each already within [-87, 88] (the callers clamp in a loop of their own: GCC 12
+// vectorized neither a clamp nor a select in the same loop as exp_poly, which then ran as scalar code).
+inline void exp_inplace(float* __restrict x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = exp_poly(x[i]);
+}
 
 // Causal attention of n new queries (positions start .. start + n - 1) over the cache's first
 // start + n entries, grouped-query heads, optional sliding window (0: none): query at position p
@@ -194,13 +196,16 @@ static void attend(const float* __restrict qp, const float* __restrict kp, const
               }
             }
           }
-          for (int64_t j = jlo; j <= jhi; ++j) {
+          for (int64_t j = jlo; j <= jhi; ++j) {  // e^(s - max), 0 for masked keys; x < -87 gives e^-87
             float* sj = score.data() + (j - jlo) * LANES;
+            alignas(64) float e[LANES];
+#pragma omp simd
+            for (int64_t l = 0; l < LANES; ++l) e[l] = std::max(sj[l] - mx[l], -87.f);
+            exp_inplace(e, LANES);
 #pragma omp simd
             for (int64_t l = 0; l < LANES; ++l) {
-              const float e = sj[l] == -INFINITY ? 0.f : exp_nonpos(sj[l] - mx[l]);
-              sj[l] = e;
-              total[l] += e;
+              sj[l] = sj[l] == -INFINITY ? 0.f : e[l];
+              total[l] += sj[l];
             }
           }
           // weighted values, all lanes at once, eight head-dim columns per pass (eight accumulators of
@@ -256,13 +261,18 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   auto y = torch::empty(sizes, gu.options());
   const float* g = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  constexpr int64_t CHUNK = 256;
   for (int64_t m = 0; m < M; ++m) {
     const float* gm = g + m * 2 * I;
     float* ym = yp + m * I;
+    for (int64_t i0 = 0; i0 < I; i0 += CHUNK) {  // e^-x clamped to [-87, 88], then x / (1 + e^-x) * up
+      const int64_t c = std::min(CHUNK, I - i0);
+      alignas(64) float e[CHUNK];
 #pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
-      const float x = gm[i];
-      ym[i] = x / (1.f + exp_clamped(-x)) * gm[I + i];
+      for (int64_t i = 0; i < c; ++i) e[i] = std::min(std::max(-gm[i0 + i], -87.f), 88.f);
+      exp_inplace(e, c);
+#pragma omp simd
+      for (int64_t i = 0; i < c; ++i) ym[i0 + i] = gm[i0 + i] / (1.f + e[i]) * gm[I + i0 + i];
     }
   }
   return y;
