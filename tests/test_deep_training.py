@@ -81,6 +81,12 @@ def test_features_equal_a_fresh_forward_and_resume(sharegpt_file, tmp_path):
     assert seq["label"].tolist() == out.logits[0].argmax(-1).tolist()
     with pytest.raises(InvalidConfigError, match="other settings"):
         collect_features(ss.split, ss.tokenizer, FeatureConfig(out=cfg.out, source=str(sharegpt_file), layers="1"))
+    skipped = FeatureConfig(out=str(tmp_path / "g"), source=str(sharegpt_file), layers="1,2", max_tokens=64, skip=3,
+                            max_conversations=1)  # a fresh directory starting past the first three
+    collect_features(ss.split, ss.tokenizer, skipped)
+    assert load_features(skipped.out).sequence(0)["ids"].tolist() == ids
+    with pytest.raises(InvalidConfigError, match="other settings"):  # resuming it from elsewhere would mix sets
+        collect_features(ss.split, ss.tokenizer, replace(skipped, skip=0))
 
 
 def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_path):
