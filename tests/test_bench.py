@@ -15,7 +15,14 @@ import torch
 
 from selfspec import DraftConfig, SelfSpec
 from selfspec.bench.methods import hf_steps, parse_method, split_specs
-from selfspec.bench.report import compute_divergences, load_run, read_answers, summarize, write_report
+from selfspec.bench.report import (
+    compute_divergences,
+    format_summary,
+    load_run,
+    read_answers,
+    summarize,
+    write_report,
+)
 from selfspec.bench.specbench import (
     BenchConfig,
     answer_text,
@@ -173,6 +180,23 @@ def test_speedup_is_a_ratio_of_means_and_mal_pools_steps(tmp_path):
     assert depths == pytest.approx({"1": 2 / 3, "2": 1 / 3})
     assert "rounds" not in s["groups"]["mt_bench"]["hf"]
     assert list(s["groups"]) == ["mt_bench", "translation", "qa", "overall"]
+
+
+def test_decoding_alone_takes_each_turns_prefill_out(tmp_path):
+    answers = tmp_path / "answers"
+    answers.mkdir()
+    base = record(161, "translation", [11], [1.5])  # llama.cpp: its own prompt_ms, 10 tokens in 1.0 s after it
+    base["choices"][0]["peer"] = [{"prompt_ms": 500.0}]
+    fast = record(161, "translation", [11, 6], [1.0, 0.5])  # 10 + 5 tokens in 0.5 + 0.25 s after the prefills
+    fast["choices"][0]["prefill_time"] = [0.5, 0.25]
+    older = record(161, "translation", [11], [0.9])  # no prefill recorded: no decoding-alone figure
+    for name, rec in (("base", base), ("fast", fast), ("older", older)):
+        (answers / f"{name}.jsonl").write_text(json.dumps(rec) + "\n")
+    s = summarize(load_run(tmp_path), "base")["groups"]["overall"]
+    assert s["fast"]["decode_tokens_per_s"] == pytest.approx(20.0) and s["fast"]["decode_speedup"] == pytest.approx(2.0)
+    assert s["fast"]["speedup"] == pytest.approx((17 / 1.5) / (11 / 1.5))  # end to end, prefills included
+    assert "decode_speedup" not in s["older"]
+    assert "Decoding alone" in format_summary(summarize(load_run(tmp_path), "base"))
 
 
 def test_hf_steps_from_forward_positions():

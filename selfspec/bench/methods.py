@@ -88,6 +88,7 @@ class TurnResult:
     specee: dict[str, Any] | None = None  # SpecEE kinds: exit layers, predictor checks and time, exit agreement
     rounds: dict[str, Any] | None = None  # selfspec kinds: {"lookup": steps drafted by lookup, "depths": {depth: rounds}}
     peer: dict[str, Any] | None = None  # llama-cpp: the server's own timings (prompt / predicted ms, drafts)
+    prefill_time: float | None = None  # seconds of wall_time spent on the prompt and the first token (None: unknown)
 
     @property
     def new_tokens(self) -> int:
@@ -309,7 +310,9 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) 
         tokens, wall, timings = llamacpp.generate(ss.source_gguf, torch.get_num_threads(), method.options["spec"],
                                                   ids, max_new_tokens, ss.eos_token_ids)
         drafted = timings.get("draft_n")
-        return TurnResult(tokens, wall, max(0, len(tokens) - 1), [], drafted, len(ids), peer=timings)
+        prefill = timings["prompt_ms"] / 1e3 if "prompt_ms" in timings else None  # the server's own figure
+        return TurnResult(tokens, wall, max(0, len(tokens) - 1), [], drafted, len(ids), peer=timings,
+                          prefill_time=prefill)
     gen = GenerateConfig(max_new_tokens=max_new_tokens, ignore_eos=False)
     if method.kind in ("selfspec", *SPECEE_KINDS):
         assert method.draft is not None  # parse_method gives these kinds their draft
@@ -324,7 +327,8 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) 
     rounds = None
     if method.kind != "plain":
         rounds = {"lookup": st.lookup_steps, "depths": {str(d): n for d, n in sorted(st.draft_depths.items())}}
-    return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids), specee, rounds)
+    return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids), specee, rounds,
+                      prefill_time=st.prefill_time)
 
 
 def _run_hf(ss: SelfSpec, ids: list[int], max_new_tokens: int, options: dict[str, Any]) -> TurnResult:

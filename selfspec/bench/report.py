@@ -107,6 +107,28 @@ def question_tps(rec: dict) -> float:
     return sum(c["new_tokens"]) / wall if wall > 0 else 0.0
 
 
+def prefill_seconds(rec: dict) -> list[float] | None:
+    """Each turn's seconds of prompt forward and first token: the record's ``prefill_time`` (selfspec methods), else
+    llama.cpp's own ``prompt_ms``; None when a turn's is unknown (transformers' generate, older runs)."""
+    c = _choice(rec)
+    turns = len(c["new_tokens"])
+    own = c.get("prefill_time") or [None] * turns
+    peer = c.get("peer") or [None] * turns
+    out = [p if p is not None else (q or {}).get("prompt_ms", -1e3) / 1e3 for p, q in zip(own, peer)]
+    return None if any(x < 0 for x in out) else out
+
+
+def question_decode_tps(rec: dict) -> float | None:
+    """Tokens/s of decoding alone: the tokens after each turn's first, over the wall time after its prefill."""
+    pre = prefill_seconds(rec)
+    if pre is None:
+        return None
+    c = _choice(rec)
+    secs = sum(w - p for w, p in zip(c["wall_time"], pre))
+    toks = sum(max(0, n - 1) for n in c["new_tokens"])
+    return toks / secs if secs > 0 else None
+
+
 def steps_and_tokens(rec: dict) -> tuple[int, int]:
     """(verification steps, tokens they emitted) of one answer: from accept_lengths when recorded,
     else decoding_steps with new_tokens - 1 (the prefill's token is not a step's)."""
@@ -163,6 +185,11 @@ def method_metrics(run: Run, method: str, qids: list[int], baseline: str | None)
         out["speedup"] = out["tokens_per_s"] / btps if btps > 0 else None
         out["median_ratio"] = statistics.median(ratios) if ratios else None
         out["identical"] = sum(same_tokens(r, b) for r, b in zip(recs, base))
+        dec = [x for x in (question_decode_tps(r) for r in recs) if x is not None]
+        bdec = [x for x in (question_decode_tps(b) for b in base) if x is not None]
+        if dec and len(dec) == len(bdec) == len(recs):  # every question's prefill known, on both sides
+            out["decode_tokens_per_s"] = statistics.mean(dec)
+            out["decode_speedup"] = out["decode_tokens_per_s"] / statistics.mean(bdec)
         out.update(agreement_metrics(recs, base))
     mix = round_mix(recs, steps)
     if mix is not None:
@@ -230,6 +257,12 @@ def format_summary(summary: dict[str, Any]) -> str:
              "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for m in summary["methods"]:
         lines.append(f"| {m} | " + " | ".join(_f(groups[g][m].get("speedup")) for g in names) + " |")
+    decoding = [m for m in summary["methods"] if any("decode_speedup" in groups[g][m] for g in names)]
+    if decoding:  # the same answers, the prompt's forward taken out of every method's time
+        lines += ["", "Decoding alone, prefill excluded (ratio of mean tokens/s after each turn's first token):", "",
+                  "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for m in decoding:
+            lines.append(f"| {m} | " + " | ".join(_f(groups[g][m].get("decode_speedup")) for g in names) + " |")
     for g in names:
         n = next(iter(groups[g].values()))["questions"] if groups[g] else 0
         lines += ["", f"### {g} ({n} questions)", "",

@@ -181,14 +181,15 @@ def turn_prompt(ss: SelfSpec, q: Question, answers: list[str], turn: int) -> lis
 def answer_question(ss: SelfSpec, method: Method, q: Question, max_new_tokens: int) -> dict:
     """Answer every turn of a question with one method; the Spec-Bench answer record (per-turn lists)."""
     c: dict[str, list] = {k: [] for k in ("turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths",
-                                          "draft_tokens", "prompt_tokens", "token_ids", "specee", "rounds", "peer")}
+                                          "draft_tokens", "prompt_tokens", "token_ids", "specee", "rounds", "peer",
+                                          "prefill_time")}
     for turn in range(len(q.turns)):
         r = run_turn(ss, method, turn_prompt(ss, q, c["turns"], turn), max_new_tokens)
         for key, value in (("turns", answer_text(ss, r.token_ids)), ("new_tokens", r.new_tokens),
                            ("wall_time", r.wall_time), ("decoding_steps", r.decoding_steps),
                            ("accept_lengths", r.accept_lengths), ("draft_tokens", r.draft_tokens),
                            ("prompt_tokens", r.prompt_tokens), ("token_ids", r.token_ids), ("specee", r.specee),
-                           ("rounds", r.rounds), ("peer", r.peer)):
+                           ("rounds", r.rounds), ("peer", r.peer), ("prefill_time", r.prefill_time)):
             c[key].append(value)
     return {"question_id": q.question_id, "category": q.category, "answer_id": f"{method.name}-{q.question_id}",
             "model_id": f"{ss.model_id}-{method.name}", "method": method.name,
