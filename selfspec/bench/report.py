@@ -112,10 +112,14 @@ def prefill_seconds(rec: dict) -> list[float] | None:
     llama.cpp's own ``prompt_ms``; None when a turn's is unknown (transformers' generate, older runs)."""
     c = _choice(rec)
     turns = len(c["new_tokens"])
-    own = c.get("prefill_time") or [None] * turns
-    peer = c.get("peer") or [None] * turns
-    out = [p if p is not None else (q or {}).get("prompt_ms", -1e3) / 1e3 for p, q in zip(own, peer)]
-    return None if any(x < 0 for x in out) else out
+    out = []
+    for own, peer in zip(c.get("prefill_time") or [None] * turns, c.get("peer") or [None] * turns):
+        if own is None and peer and "prompt_ms" in peer:
+            own = peer["prompt_ms"] / 1e3
+        if own is None:
+            return None
+        out.append(own)
+    return out
 
 
 def question_decode_tps(rec: dict) -> float | None:

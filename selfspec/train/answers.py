@@ -18,7 +18,6 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,6 @@ class AnswerConfig(ConversationSource):
     """Settings of ``selfspec answer-prompts`` (the first user turn of each conversation is answered)."""
 
     out: str = opt("runs/own-answers.json", "Output ShareGPT-format JSON file (appended to; rerun to resume).")
-    skip: int = opt(0, "Skip this many conversations of the split first (e.g. those already used as ChatGPT text).")
     max_conversations: int = opt(0, "Answer at most this many (0: no limit).")
     max_prompt_chars: int = opt(1500, "Longest first turn, in characters (longer ones are cut).")
     max_new_tokens: int = opt(256, "Longest answer, in tokens (greedy).")
@@ -59,8 +57,7 @@ def answer_prompts(ss: Any, cfg: AnswerConfig) -> dict[str, Any]:
     os.replace(tmp, out)
     seen = {r["id"] for r in done}
     todo: list[tuple[str, str]] = []  # (conversation id, prompt)
-    convs = islice(cfg.conversations(max_turns=2), cfg.skip, None)
-    for cid, msgs in convs:
+    for cid, msgs in cfg.conversations(max_turns=2):
         if cfg.max_conversations and len(done) + len(todo) >= cfg.max_conversations:
             break
         if cid not in seen:

@@ -42,7 +42,6 @@ class FeatureConfig(ConversationSource):
     """Settings of ``selfspec collect-features``."""
 
     out: str = opt("runs/features/train", "Output directory of the feature shards.")
-    skip: int = opt(0, "Skip this many conversations of the split first (e.g. those an earlier run already read).")
     layers: str = opt("1,2,4", "Exit layers whose states are stored (comma-separated; 0 is the embedding).")
     max_tokens: int = opt(512, "Longest conversation prefix, in tokens.")
     max_turns: int = opt(4, "Most chat turns per conversation.")
@@ -117,7 +116,7 @@ def collect_features(split: Any, tokenizer: Any, cfg: FeatureConfig) -> dict[str
     if any(prog["config"].get(k, 0) != getattr(cfg, k) for k in ("layers", "max_tokens", "skip")):
         raise InvalidConfigError(f"{out} holds features of other settings ({prog['config']}); use another --out")
     convs = cfg.conversations(cfg.max_turns)
-    for _ in range(cfg.skip + prog["conversations"]):  # resume: skip what earlier runs stored
+    for _ in range(prog["conversations"]):  # resume: skip what earlier runs stored (after cfg.skip)
         next(convs, None)
     t0, budget = time.perf_counter(), cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
     parts: list[dict[str, torch.Tensor]] = []

@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,9 @@ class ConversationSource:
     split: str = opt("train", "Side of the stable split by conversation id: 'train' or 'heldout'.", choices=["train", "heldout"])
     heldout: float = opt(0.02, "Share of conversations on the held-out side.")
     exclude: str = opt("", "Spec-Bench question.jsonl: conversations whose first turn matches a question are dropped.")
+    skip: int = opt(0, "Skip this many conversations of the split first (e.g. those an earlier run already read).")
 
     def conversations(self, max_turns: int = 4) -> Iterator[tuple[str, list[dict[str, str]]]]:
-        return conversations(self.source, self.split, self.heldout, self.exclude or None, max_turns)
+        """The split's conversations in file order, the first ``skip`` left out."""
+        return islice(conversations(self.source, self.split, self.heldout, self.exclude or None, max_turns), self.skip,
+                      None)
