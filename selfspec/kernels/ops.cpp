@@ -16,6 +16,10 @@
 #include "kernels.h"
 
 namespace {
+// Rows from which the row-wise ops (norm, rotary, silu) split their rows over the threads: a prefill's hundreds
+// of rows (a decoding step's few rows stay on one thread: a parallel region costs more than their work).
+constexpr int64_t PARALLEL_ROWS = 32;
+
 void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous(), name, " must be contiguous float32");
 }
@@ -30,6 +34,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = xp + m * H;
     float ss = 0.f;
@@ -64,6 +69,7 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   float* qp = q.data_ptr<float>();
   float* kp = keys.data_ptr<float>();
   float* vp = values.data_ptr<float>();
+#pragma omp parallel for collapse(2) schedule(static) if (B * n >= PARALLEL_ROWS)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < n; ++i) {
       const float* row = src + (b * n + i) * heads * d;
@@ -262,6 +268,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   const float* g = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   constexpr int64_t CHUNK = 256;
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
   for (int64_t m = 0; m < M; ++m) {
     const float* gm = g + m * 2 * I;
     float* ym = yp + m * I;

@@ -169,21 +169,25 @@ class FastLayer:
         (its own length, positions and mask: ragged sequences stay exact), and every weight is read once
         for all rows. Updates ``h`` in place and returns it."""
         b, n, _ = h.shape
-        fused = self.ops is not None and b * n <= MAX_GEMV_ROWS and h.dtype == torch.float32
+        # fused: the compiled ops for everything (a decoding step's few rows); ops: the row-wise ones (norms,
+        # rotary + cache write, silu * up) for any number of rows, attention by SDPA past MAX_GEMV_ROWS (a prefill)
+        ops = self.ops is not None and h.dtype == torch.float32
+        fused = ops and b * n <= MAX_GEMV_ROWS
         if (fused and self.plan is not None and len(segments) == 1 and segments[0].causal and segments[0].n == n
                 and h.is_contiguous()):
             seg = segments[0]  # one causal sequence (a head's block): the layer as one C++ call, the same ops
             self._fused_ops().run_layers([self.plan], h, [seg.rotary.raw[0]], [seg.rotary.raw[1]], [seg.keys],
                                          [seg.values], [seg.start])
             return h
-        qkv = self._qkv(h, fused)  # [b, rows, (hq + 2 hkv) d]
+        qkv = self._qkv(h, ops)  # [b, rows, (hq + 2 hkv) d]
         if len(segments) == 1 and segments[0].n == n:
-            a = self._attend(qkv, segments[0], fused)
+            a = self._attend(qkv, segments[0], ops, fused)
         else:
             a = h.new_empty(b, n, self.num_heads * self.head_dim)
             for seg in segments:
-                a[:, seg.offset : seg.offset + seg.n] = self._attend(qkv[:, seg.offset : seg.offset + seg.n], seg, fused)
-        return self._mlp(h, a, fused)
+                a[:, seg.offset : seg.offset + seg.n] = self._attend(qkv[:, seg.offset : seg.offset + seg.n], seg, ops,
+                                                                     fused)
+        return self._mlp(h, a, ops)
 
     def _fused_ops(self) -> Any:
         """The compiled ops (``selfspec/kernels/ops.cpp``): a call is only fused when they were built."""
@@ -204,21 +208,21 @@ class FastLayer:
             heads[:, :, hq : hq + hkv] = self._norm(heads[:, :, hq : hq + hkv].contiguous(), self.k_norm, True)
         return qkv
 
-    def _attend(self, qkv: torch.Tensor, seg: Segment, fused: bool) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, seg: Segment, ops: bool, fused: bool) -> torch.Tensor:
         """One segment's attention: rotary, its keys / values written into its cache, attention over the
-        cache. ``qkv`` ``# [b, n, (hq + 2 hkv) d]`` -> ``# [b, n, hq d]``."""
+        cache (``ops``: rotary and the cache write by the compiled op; ``fused``: the attention too).
+        ``qkv`` ``# [b, n, (hq + 2 hkv) d]`` -> ``# [b, n, hq d]``."""
         b, n, _ = qkv.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if fused:
-            ops = self._fused_ops()
-            q = ops.rope_qkv(qkv.contiguous(), *seg.rotary.raw, seg.keys, seg.values, seg.start, hq, hkv)
+        if ops:
+            q = self._fused_ops().rope_qkv(qkv.contiguous(), *seg.rotary.raw, seg.keys, seg.values, seg.start, hq, hkv)
             # Every causal block here (at most MAX_GEMV_ROWS queries) takes the fused op: measured faster than SDPA up
             # to 16 queries (Qwen 0.5B shapes, context 256, 2 threads: n=1 13 vs 25 us, n=4 29 vs 62, n=16 103 vs
             # 128). Its rows never depend on each other, so a verification block gives bitwise the rows of single
             # steps (the int8 mode relies on it).
-            if seg.causal:
-                return ops.attention(q, seg.keys, seg.values, seg.start, self.window, self.scaling)
-            return self._sdpa(q, seg.keys, seg.values, seg.start + n, seg.mask)
+            if fused and seg.causal:
+                return self._fused_ops().attention(q, seg.keys, seg.values, seg.start, self.window, self.scaling)
+            return self._sdpa(q, seg.keys, seg.values, seg.start + n, seg.mask, self._from_zero(seg, n))
         heads = qkv.view(b, n, hq + 2 * hkv, d)
         if self.q_norm is not None:
             assert self.k_norm is not None  # q and k norms come together
