@@ -116,6 +116,14 @@ class DraftConfig:
         "0: off. With gamma=None the length is chosen from measured costs and lookup acceptance.",
     )
     lookup_ngram: int = opt(3, "Longest n-gram matched for lookup drafts (down to 2).")
+    head_context: int | None = opt(
+        32,
+        "A stateful head (kangaroo, layer, deep) runs its own layer over every row it has not seen before it drafts: "
+        "at first the whole prompt. At most this many of those rows (the latest) are caught up; the head never "
+        "sees older ones (its attention restarts after them; the exit states it reads still carry the target's "
+        "whole context). Bounds what a short answer to a long prompt pays for its first draft (Qwen 0.5B, rag: "
+        "decoding 1.05x -> 1.34x plain at 32, docs/BENCHMARKS.md). None: every row.",
+    )
     explore: bool = opt(
         False,
         "When the self-tuning calibration finds that no early-exit draft pays on this machine (its draft cap is "

@@ -33,6 +33,18 @@ def deep_ss(arch: str, k: int, gamma: int | None = 3, lookup: int = 0, seed: int
     return ss, head
 
 
+@torch.inference_mode()
+def teacher_forced(split, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The true exit states after ``k`` layers, the context a deep head reads (the previous position's final state,
+    zeros before the first) and the positions of ``tokens``, from one forward."""
+    ids = torch.tensor([tokens])
+    pos = torch.arange(ids.shape[1])[None]
+    cache = split.new_cache(ids.shape[1])
+    h_k = split.run_layers(split.embed(ids), 0, k, pos, cache)
+    final = split.run_layers(h_k, k, split.num_layers, pos, cache)
+    return h_k, torch.cat([torch.zeros_like(final[:, :1]), final[:, :-1]], dim=1), pos
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_deep_head_is_lossless(arch):
     drafted = accepted = 0
@@ -92,14 +104,9 @@ def test_deep_head_state_matches_a_fresh_forward(lookup):
     out = ss.generate(prompt, max_new_tokens=NEW)
     assert out.token_ids == hf_greedy(ss.model, prompt, NEW)
     assert len(seen) >= 3
-    ids = torch.tensor([prompt + out.token_ids])
-    pos = torch.arange(ids.shape[1])[None]
+    h_k, ctx, pos = teacher_forced(split, prompt + out.token_ids, 2)
     with torch.inference_mode():
-        cache = split.new_cache(ids.shape[1])
-        h_k = split.run_layers(split.embed(ids), 0, 2, pos, cache)
-        final = split.run_layers(h_k, 2, split.num_layers, pos, cache)
-        ctx = torch.cat([torch.zeros_like(final[:, :1]), final[:, :-1]], dim=1)
-        ref = head(h_k, pos, head.new_state(ids.shape[1]), context=ctx)[0]
+        ref = head(h_k, pos, head.new_state(pos.shape[1]), context=ctx)[0]
     for p, logits in seen:
         torch.testing.assert_close(logits, ref[p], atol=1e-4, rtol=1e-4)
 
@@ -118,3 +125,56 @@ def test_head_linears_run_packed_and_follow_weight_updates():
         torch.testing.assert_close(head.linear(head.fuse)(x), 2 * ref, atol=1e-5, rtol=1e-5)
         assert head.linear(head.fuse)(x[:, :0]).shape == (1, 0, ss.split.hidden_size)  # no rows (nothing to catch up)
     assert head.linear(head.fuse) is head.fuse  # training: autograd through the module
+
+
+def test_head_context_bounds_the_catch_up_and_the_head_sees_only_its_run():
+    """``head_context``: a stateful head catches up at most that many rows before a draft (at first the prompt's
+    last ones), output stays the target's own, and each round's first draft equals the head's teacher-forced
+    forward over just the positions it kept (from its restart to the pending token)."""
+    context = 3
+    ss, head = deep_ss("llama", 2, lookup=4, seed=1)
+    drafter, split = ss.engine.drafter, ss.split
+    drafter.head_context = context
+    calls: list[int] = []
+    seen: list[tuple[int, int, torch.Tensor]] = []
+    features, inner = head.features, drafter._deep_features
+
+    def count(h, ctx, positions, state=None, tree=None):
+        if state is not None and tree is None:
+            calls.append(h.shape[1])
+        return features(h, ctx, positions, state, tree)
+
+    def spy(seq, h, f_prev):
+        f_hat = inner(seq, h, f_prev)
+        if f_prev is None:  # a round's first draft, at the pending token's position
+            seen.append((seq.length, seq.head_state.skipped, head.logits_of(f_hat)[0, -1].clone()))
+        return f_hat
+
+    head.features, drafter._deep_features = count, spy
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 9, 11, 4]
+    out = ss.generate(prompt, max_new_tokens=NEW)
+    assert out.token_ids == hf_greedy(ss.model, prompt, NEW)
+    assert calls and max(calls) <= context + 1  # the backlog kept, then the pending token's row
+    assert seen and seen[0][1] == len(prompt) - context  # the first draft skipped all but the prompt's last rows
+    h_k, ctx, pos = teacher_forced(split, prompt + out.token_ids, 2)
+    with torch.inference_mode():
+        for p, s, logits in seen:
+            ref = head.forward(h_k[:, s : p + 1], pos[:, s : p + 1], head.new_state(pos.shape[1]), ctx[:, s : p + 1])
+            torch.testing.assert_close(logits, ref[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_head_state_skips_and_rolls_back_in_positions():
+    """A cached head's state counts skipped positions: ``seen`` is absolute, a rollback maps back into its run, and
+    one back before the skip restarts the run there."""
+    ss, head = deep_ss("llama", 2)
+    state = head.new_state(16)
+    head.skip(state, 5)
+    assert head.seen(state) == 5
+    state.reserve(0, 3)  # three entries: positions 5, 6, 7
+    assert head.seen(state) == 8
+    head.rollback(state, 6)
+    assert (head.seen(state), state.lengths[0]) == (6, 1)
+    head.skip(state, 4)  # a gap after held entries: the run restarts after it
+    assert (head.seen(state), state.lengths[0]) == (10, 0)
+    head.rollback(state, 2)
+    assert (head.seen(state), state.skipped, state.lengths[0]) == (2, 2, 0)

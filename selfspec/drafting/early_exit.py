@@ -43,7 +43,7 @@ from selfspec.state import SequenceState
 class EarlyExitDrafter(BaseDrafter):
     def __init__(self, split: SplitModel, head: ExitHead, policy: DraftPolicy, lookup: int = 0,
                  lookup_ngram: int = 3, lookup_policy: DraftPolicy | None = None, head_drafts: bool = True,
-                 catch_up_limit: float = math.inf) -> None:
+                 catch_up_limit: float = math.inf, head_context: int | None = None) -> None:
         self.split, self.head, self.policy = split, head, policy
         self.exit_layer = head.exit_layer
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
@@ -55,6 +55,9 @@ class EarlyExitDrafter(BaseDrafter):
         # this many such rows per token the request may still want: beyond, the catch-up costs more than the head's
         # drafts can save (setup.catch_up_limit), and the round drafts by lookup or not at all
         self.catch_up_limit = catch_up_limit
+        # At most this many rows of backlog are caught up before a draft; older ones the head never sees (it
+        # restarts its context after them, ``ExitHead.skip``). None: every row (at first the whole prompt)
+        self.head_context = head_context
 
     def begin(self, seq: SequenceState, seed: int | None) -> None:
         """Before a request's prefill: its own policy state (seeded) and its first exit depth."""
@@ -70,13 +73,18 @@ class EarlyExitDrafter(BaseDrafter):
         can save in the ``remaining`` tokens (lookup blocks are capped by their own policy)."""
         if not self.head_drafts:
             return 0
-        if remaining is not None and self.backlog(seq) > self.catch_up_limit * remaining:
+        if remaining is not None and self.catch_up_rows(seq) > self.catch_up_limit * remaining:
             return 0
         return self.policy_of(seq).max_drafts(gamma)
 
     def backlog(self, seq: SequenceState) -> int:
         """Rows a stateful head must still run over before it drafts for ``seq`` (0 for a stateless head)."""
         return 0 if seq.head_backlog is None else int(seq.head_backlog.shape[1])
+
+    def catch_up_rows(self, seq: SequenceState) -> int:
+        """Rows the head would run over before its next draft: the backlog, at most ``head_context`` of it."""
+        b = self.backlog(seq)
+        return b if self.head_context is None else min(b, self.head_context)
 
     def depth_of(self, seq: SequenceState) -> int:
         """The exit depth of ``seq``'s next round (the head's own layer unless a depth policy chose another)."""
@@ -146,9 +154,12 @@ class EarlyExitDrafter(BaseDrafter):
 
     def _with_backlog(self, seq: SequenceState, h: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(first position, exit states) a stateful head consumes next: the backlog it has not seen, then ``h``."""
-        if seq.head_backlog is not None and seq.head_backlog.shape[1] > 0:
-            h = torch.cat([seq.head_backlog, h], dim=1)
-        seq.head_backlog = None
+        backlog, seq.head_backlog = seq.head_backlog, None
+        if backlog is not None and self.head_context is not None and backlog.shape[1] > self.head_context:
+            self.head.skip(seq.head_state, backlog.shape[1] - self.head_context)  # the oldest rows: never seen
+            backlog = backlog[:, backlog.shape[1] - self.head_context :]
+        if backlog is not None and backlog.shape[1] > 0:
+            h = torch.cat([backlog, h], dim=1)
         return self.head.seen(seq.head_state), h
 
     def _ngram_index(self, seq: SequenceState) -> NgramIndex:

@@ -28,6 +28,8 @@ def check(draft: DraftConfig) -> None:
     if draft.lookup < 0 or draft.lookup_ngram < 2:
         raise InvalidConfigError(f"lookup must be >= 0 and lookup_ngram >= 2, got {draft.lookup}, "
                                  f"{draft.lookup_ngram}")
+    if draft.head_context is not None and draft.head_context < 1:
+        raise InvalidConfigError(f"head_context must be >= 1 (or None: every row), got {draft.head_context}")
     if draft.tree_width is not None and draft.tree_width < 0:
         raise InvalidConfigError(f"tree_width must be >= 0, got {draft.tree_width}")
 
@@ -68,7 +70,7 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     if tuning is not None and head.stateful:
         limit = catch_up_limit(ss.draft_costs(head, draft, head.exit_layer), tuning, ss.split.num_layers - head.exit_layer)
     drafter = EarlyExitDrafter(ss.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy, head_drafts,
-                               limit)
+                               limit, draft.head_context)
     return drafter, gamma, replace(draft, exit_layer=head.exit_layer, policy=name), tuning
 
 
@@ -80,7 +82,9 @@ def catch_up_limit(costs: DraftCosts, tuning: Tuning | None, deep_layers: int) -
     drafts can save at most the calibration's predicted gain, 1 - 1 / speedup of a plain step per token.
     Without a calibration, or when it found no draft that pays (its cap 0: the head is off, or exploring by the
     user's choice), no limit. E.g. Qwen 0.5B on a Zen 5: 0.24 ms a row against a 16.7 ms step, predicted
-    1.08x: about 5 rows a token, so a 64-token answer to a 700-token prompt (summaries, RAG) drafts by lookup."""
+    1.08x: about 5 rows a token. With ``DraftConfig.head_context`` (32 by default) the rows a catch-up runs are
+    bounded, so this only stops the head in a request's last few tokens; without it (None) a 64-token answer to a
+    700-token prompt (summaries, RAG) drafts by lookup alone."""
     n = max(costs.t_deep, default=1)
     if tuning is None or tuning.gamma == 0 or n <= 1 or deep_layers <= 0:
         return math.inf

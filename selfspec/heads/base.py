@@ -6,6 +6,7 @@ Every head has one interface so the drafter never cares which kind it holds:
     logits = head(h, positions, state)                # h [batch, n, hidden] -> [batch, n, vocab]
     head.rollback(state, length)                      # after a rejection
     head.seen(state)                                  # positions the head has consumed
+    head.skip(state, n)                               # the next n positions are never seen (stateful heads)
 
 Kinds: ``lm`` (the target's own final norm + LM head, no training, LayerSkip style),
 ``kangaroo`` (Kangaroo's adapter: one attention block with two RMSNorms in front of the frozen
@@ -180,6 +181,10 @@ class ExitHead(nn.Module):
     def seen(self, state: Any) -> int:
         return 0
 
+    def skip(self, state: Any, n: int) -> None:
+        """The next ``n`` positions are passed over: the head never attends to them (a stateless head holds none)."""
+        return None
+
     def forward(
         self,
         h: torch.Tensor,  # [batch, n, hidden] exit-layer hidden states
@@ -218,10 +223,22 @@ class CachedHead(ExitHead):
         return KVCache(1, s.num_kv_heads, s.head_dim, capacity, s.dtype, s.device)
 
     def rollback(self, state: KVCache, length: int) -> None:
-        state.truncate(length)
+        if length < state.skipped:  # back before a skip (a pipeline's draft-ahead undone): restart there
+            state.skipped = length
+            state.truncate(0)
+        else:
+            state.truncate(length - state.skipped)
 
     def seen(self, state: KVCache) -> int:
-        return state.lengths[0]
+        return state.skipped + state.lengths[0]
+
+    def skip(self, state: KVCache, n: int) -> None:
+        """Pass over the next ``n`` positions: nothing is stored for them, so the head never attends to them. Its
+        cache holds one run of consecutive positions (entry i is position ``skipped + i``), so the run restarts
+        after the gap: entries held before it are dropped too (a head that skips has not drafted for a while)."""
+        if n > 0:
+            state.skipped = self.seen(state) + n
+            state.truncate(0)
 
 
 class LMExitHead(ExitHead):

@@ -31,6 +31,9 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_layers
+        # Positions never stored ahead of entry 0 (a head that skipped the oldest rows of its backlog,
+        # ``CachedHead.skip``): entry i holds position skipped + i. The target's cache never skips.
+        self.skipped = 0
 
     @property
     def capacity(self) -> int:
