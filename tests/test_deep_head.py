@@ -178,3 +178,22 @@ def test_a_head_state_skips_and_rolls_back_in_positions():
     assert (head.seen(state), state.lengths[0]) == (10, 0)
     head.rollback(state, 2)
     assert (head.seen(state), state.skipped, state.lengths[0]) == (2, 2, 0)
+
+
+def test_release_float_keeps_drafting_on_the_packed_copies_and_refuses_training():
+    """On a block-quantized target the head drafts with Q8_0 copies; ``release_float`` drops its float32 matrices:
+    output still equals transformers' greedy, the drafts are the same as before the release, and a forward with
+    gradients (training) raises instead of silently using the empty weights."""
+    ss, head = deep_ss("llama", 2, quantize="Q4_0")
+    prompt = prompt_of(9, 11)
+    before = ss.generate(prompt, max_new_tokens=NEW)
+    freed = head.release_float()
+    assert freed >= sum(m.in_features * m.out_features * 4 for m in (head.fuse, head.block.mlp.down_proj))
+    assert head.released and head.fuse.weight.numel() == 0
+    after = ss.generate(prompt, max_new_tokens=NEW)
+    assert after.token_ids == before.token_ids == hf_greedy(ss.model, prompt, NEW)
+    assert after.stats.accept_lengths == before.stats.accept_lengths  # the same drafts
+    assert head.release_float() == 0  # once
+    h = torch.zeros(1, 1, ss.split.hidden_size)
+    with pytest.raises(RuntimeError, match="released"):
+        head.features(h, h, torch.zeros(1, 1, dtype=torch.long), head.new_state(4))

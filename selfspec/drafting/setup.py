@@ -42,6 +42,8 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     -> (drafter, most drafts per round, the config as resolved, the calibration or None)."""
     head = ss.make_head(draft)
     head.prepare()  # its draft kernels built now, not in the first request
+    if head.source is not None:  # a head loaded from its directory to draft with: its packed copies suffice
+        head.release_float()
     check(draft)
     tuning = None
     if draft.gamma is None and draft.tune != "off":

@@ -105,14 +105,17 @@ class ExitHead(nn.Module):
         # DraftConfig fields left at None take them.
         self.recommended_draft: dict[str, Any] = {}
         self.source: str | None = None  # the directory the head was loaded from (its SpecEE predictors live there)
+        self.released = False  # its float32 matrices dropped for inference (``release_float``): packed copies only
 
     def linear(self, module: nn.Linear) -> Any:
         """``module`` through selfspec's decoding kernels (packed once per weight version, in ``draft_weights``
         when its input width takes blocks) when drafting on the fast backend; the module itself while training
         (gradients) or on the reference backend."""
+        hit = self._packed.get(id(module))
+        if hit is not None and hit[1] < 0:  # its float weight released (release_float): the packed copy only
+            return hit[2]
         if self.split.backend != "fast" or torch.is_grad_enabled():
             return module
-        hit = self._packed.get(id(module))
         if hit is None or hit[0] is not module.weight or hit[1] != module.weight._version:
             packed = pack_linear(quantized_linear(module, self.draft_weights))
             hit = self._packed[id(module)] = (module.weight, module.weight._version, packed)
@@ -145,6 +148,28 @@ class ExitHead(nn.Module):
         if len(self.vocab_ids) and self._trim_lm is None:
             with torch.inference_mode():
                 self._trim_lm = self.split.lm_head_part(self.vocab_ids)
+
+    def release_float(self) -> int:
+        """For inference on the fast backend when the head drafts with block-quantized weights (``draft_weights``):
+        build the packed copies (``prepare``), then drop the float32 matrices they were made from (the Qwen 0.5B
+        head's decoder layer and fuse: 63 MB). Training, saving or running it on the reference backend afterwards
+        raises; load the head again for those. -> bytes freed (0: nothing to drop, the head keeps its weights)."""
+        if self.split.backend != "fast" or self.draft_weights == "float32" or self.released:
+            return 0
+        self.prepare()
+        freed = 0
+        for module in self.float_matrices():
+            hit = self._packed.get(id(module))
+            if hit is not None:
+                self._packed[id(module)] = (torch.empty(0), -1, hit[2])  # the packed copy only
+            freed += module.weight.nbytes
+            module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
+        self.released = freed > 0
+        return freed
+
+    def float_matrices(self) -> list[nn.Linear]:
+        """The linear layers whose float32 weights ``release_float`` may drop (each packed before)."""
+        return []
 
     def lm_part(self, x_normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen LM head on normed states ``# [..., hidden]`` over the drafted vocabulary only: (logits

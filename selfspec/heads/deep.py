@@ -51,6 +51,14 @@ class DeepContextHead(DecoderLayerHead):
         with torch.no_grad():
             self.fuse.weight.copy_(torch.cat([eye, eye], dim=1))
 
+    def prepare(self) -> None:
+        super().prepare()
+        with torch.inference_mode():
+            self.linear(self.fuse)  # packed now (release_float drops the float copy)
+
+    def float_matrices(self) -> list[nn.Linear]:
+        return [*super().float_matrices(), self.fuse]
+
     def features(
         self,
         h: torch.Tensor,  # [batch, n, hidden] exit states h_k

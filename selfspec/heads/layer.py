@@ -68,6 +68,12 @@ class DecoderLayerHead(CachedHead):
     def _fast_block(self) -> FastLayer | None:
         """The block as a FastLayer (packed weights, see ``draft_weights``) for inference on the fast backend;
         rebuilt when the weights change (an optimizer step bumps their version)."""
+        if self.released:
+            assert self._fast is not None, "released after the block was packed"
+            if torch.is_grad_enabled():
+                raise RuntimeError("this head's float32 weights were released for inference (release_float): load it "
+                                   "again to train it")
+            return self._fast[1]
         if self.split.backend != "fast" or torch.is_grad_enabled():
             return None
         version = tuple(p._version for p in self.block.parameters())
@@ -77,6 +83,10 @@ class DecoderLayerHead(CachedHead):
                 block = quantized_block(self.block, self.draft_weights)
             self._fast = (version, FastLayer(block, 0, self._window))
         return self._fast[1]
+
+    def float_matrices(self) -> list[nn.Linear]:
+        """The block's linear layers (packed as ``draft_weights`` in its FastLayer)."""
+        return [m for m in self.block.modules() if isinstance(m, nn.Linear)]
 
     def run_block(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None,
                   tree: TreeAttention | None = None) -> torch.Tensor:
