@@ -24,6 +24,7 @@ from selfspec.engine import Engine
 from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplateError
 from selfspec.heads.base import ExitHead
 from selfspec.heads.io import resolve_head
+from selfspec.memory import trim_heap
 from selfspec.models.loading import load_model, local_gguf, model_id_of
 from selfspec.models.split import SplitModel
 from selfspec.outputs import GenerationResult, RequestOutput, StreamEvent
@@ -69,6 +70,7 @@ class SelfSpec:
         self.engine = Engine(self.split, built.drafter, gamma=built.gamma, tree_width=built.tree_width,
                              specee=built.specee)
         self.draft_config, self.head, self.tuning_result = built.draft, built.head, built.tuning
+        trim_heap()  # what the setup freed (a released head's float weights, the cost check's forwards): back to the system
 
     def tuning(self, head: ExitHead | None = None, refresh: bool = False) -> Tuning:
         """The self-tuning calibration of ``head`` (default: the current one) on this machine (cached);
