@@ -78,3 +78,47 @@ def test_lookup_on_real_model_copies_and_stays_lossless(default_ss):
     out = ss.generate(ids, max_new_tokens=48)
     assert out.token_ids == ref[: len(out.token_ids)] and len(out.token_ids) == len(ref)
     assert out.stats.lookup_accepted > 0
+
+
+def test_lookup_blocks_after_a_whole_acceptance_learn_apart(monkeypatch):
+    """With adaptive lengths, a lookup block right after a lookup block accepted whole is sized and learned by the
+    streak's own policy; after a partial acceptance or an early-exit round, by the lookup policy. Output stays the
+    reference (the oracle's corrupted proposals are accepted whole, in part and not at all)."""
+    import selfspec.drafting.early_exit as ee
+
+    model = tiny_model("llama")
+    ss = SelfSpec(model, None)
+    prompt = torch.randint(2, VOCAB, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    ref = hf_greedy(model, prompt, 40)
+    calls: list[int] = []
+
+    class Oracle:
+        def __init__(self, tokens: list[int], ngram: int) -> None:
+            self.tokens = tokens
+
+        def continuation(self, n: int) -> list[int]:
+            done = len(self.tokens) - len(prompt)
+            out = list(ref[done : done + n])
+            calls.append(n)
+            if len(calls) % 3 == 0 and len(out) > 1:  # every third proposal: its last token wrong
+                out[-1] = (out[-1] + 1) % VOCAB
+            return out if len(calls) % 7 else []
+
+    monkeypatch.setattr(ee, "NgramIndex", Oracle)
+    ss.set_draft(DraftConfig(exit_layer=1, head="lm", gamma=None, tune="off", lookup=5))
+    drafter = ss.engine.drafter
+    assert drafter.lookup_streak_policy is not None and drafter.lookup_streak_policy is not drafter.lookup_policy
+    log: list[tuple[str, int, int]] = []
+    for name, policy in (("lookup", drafter.lookup_policy), ("streak", drafter.lookup_streak_policy),
+                         ("early", drafter.policy)):
+        def spy(proposed, accepted, _name=name, _observe=policy.observe):
+            log.append((_name, proposed, accepted))
+            _observe(proposed, accepted)
+        monkeypatch.setattr(policy, "observe", spy)
+    out = ss.generate(prompt, max_new_tokens=40)
+    assert out.token_ids == ref
+    assert {"lookup", "streak"} <= {name for name, _, _ in log}
+    for (prev, p_prop, p_acc), (name, _, _) in zip(log, log[1:]):
+        if name != "early":
+            whole = prev in ("lookup", "streak") and p_acc == p_prop > 0
+            assert (name == "streak") == whole, log

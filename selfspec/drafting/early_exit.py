@@ -43,11 +43,15 @@ from selfspec.state import SequenceState
 class EarlyExitDrafter(BaseDrafter):
     def __init__(self, split: SplitModel, head: ExitHead, policy: DraftPolicy, lookup: int = 0,
                  lookup_ngram: int = 3, lookup_policy: DraftPolicy | None = None, head_drafts: bool = True,
-                 catch_up_limit: float = math.inf, head_context: int | None = None) -> None:
+                 catch_up_limit: float = math.inf, head_context: int | None = None,
+                 lookup_streak_policy: DraftPolicy | None = None) -> None:
         self.split, self.head, self.policy = split, head, policy
         self.exit_layer = head.exit_layer
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
         self.lookup_policy: DraftPolicy = lookup_policy or FixedPolicy()
+        # The lookup blocks right after a lookup block that was accepted whole (the answer is copying a span of
+        # the prompt) learn their own acceptance, and may run longer; None: one policy for every lookup block
+        self.lookup_streak_policy = lookup_streak_policy
         # False: only lookup drafts (a calibration found no early-exit draft that pays, DraftConfig.explore);
         # the head never runs, a round without a lookup match is a plain step
         self.head_drafts = head_drafts
@@ -174,7 +178,15 @@ class EarlyExitDrafter(BaseDrafter):
         last n-gram has no earlier occurrence. Runs no layers (a batch sends them in from the embeddings)."""
         if self.lookup <= 0 or not seq.tokens:
             return []
-        return list(self._ngram_index(seq).continuation(min(limit, self.lookup_policy.max_drafts(self.lookup))))
+        policy = self.lookup_policy_of(seq)
+        return list(self._ngram_index(seq).continuation(min(limit, policy.max_drafts(self.lookup))))
+
+    def lookup_policy_of(self, seq: SequenceState) -> DraftPolicy:
+        """The policy of ``seq``'s next lookup block: the streak's after a lookup block accepted whole, else the
+        lookup policy."""
+        if self.lookup_streak_policy is not None and seq.extras.get("lookup_streak"):
+            return self.lookup_streak_policy
+        return self.lookup_policy
 
     def _lookup(self, seq: SequenceState, limit: int) -> DraftBlock | None:
         """A block of lookup drafts, or None when the last n-gram has no earlier occurrence."""
@@ -282,9 +294,11 @@ class EarlyExitDrafter(BaseDrafter):
         ``proposed``: the draft length the policy learns from (default: the block's tokens; a tree's
         accepted path passes the depth the tree was drafted to). ``observe=False``: a verdict the pipeline
         only supposes, to draft ahead (the policies learn nothing from it)."""
-        policy = self.lookup_policy if block.source == "lookup" else self.policy_of(seq)
+        policy = self.lookup_policy_of(seq) if block.source == "lookup" else self.policy_of(seq)
         if observe and (self.head_drafts or block.source == "lookup"):
             policy.observe(len(block.tokens) if proposed is None else proposed, num_accepted)
+        if observe:
+            seq.extras["lookup_streak"] = block.source == "lookup" and num_accepted == len(block.tokens) > 0
         if not self.head_drafts:
             return
         if self.head.needs_context:

@@ -22,6 +22,7 @@ from selfspec.tuning import Tuning, head_depths
 
 MAX_AUTO_GAMMA = 8  # the longest draft the cost-aware choice considers
 LOOKUP_PRIOR = 0.5  # prior acceptance of lookup drafts per position (then learned from every lookup round)
+LOOKUP_STREAK_PRIOR = 0.8  # ... of those right after a lookup block accepted whole (a copied span goes on)
 
 
 def check(draft: DraftConfig) -> None:
@@ -64,7 +65,7 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     if threshold is None:  # the calibration's confidence stop, else 0.5 (measured best for the bundled head)
         threshold = tuning.threshold if tuning is not None else 0.5
         draft = replace(draft, threshold=threshold)
-    policy, gamma, lookup_policy = _policies(ss, head, draft, name, threshold, tuning)
+    policy, gamma, lookup_policy, streak_policy = _policies(ss, head, draft, name, threshold, tuning)
     # a calibration that found no early-exit draft paying: lookup alone, unless the user wants exploration
     head_drafts = not (tuning is not None and tuning.gamma == 0 and draft.gamma is None and not draft.explore
                        and draft.lookup > 0)
@@ -72,7 +73,7 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     if tuning is not None and head.stateful:
         limit = catch_up_limit(ss.draft_costs(head, draft, head.exit_layer), tuning, ss.split.num_layers - head.exit_layer)
     drafter = EarlyExitDrafter(ss.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy, head_drafts,
-                               limit, draft.head_context)
+                               limit, draft.head_context, streak_policy)
     return drafter, gamma, replace(draft, exit_layer=head.exit_layer, policy=name), tuning
 
 
@@ -96,15 +97,15 @@ def catch_up_limit(costs: DraftCosts, tuning: Tuning | None, deep_layers: int) -
 
 
 def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold: float,
-              tuning: Tuning | None) -> tuple[DraftPolicy, int, DraftPolicy | None]:
-    """(the drafts' policy, most drafts per round, the lookup drafts' policy or None) of ``draft`` (its
-    tree width resolved: ``early_exit``)."""
+              tuning: Tuning | None) -> tuple[DraftPolicy, int, DraftPolicy | None, DraftPolicy | None]:
+    """(the drafts' policy, most drafts per round, the lookup drafts' policy or None, the policy of lookup blocks
+    after one accepted whole or None) of ``draft`` (its tree width resolved: ``early_exit``)."""
     assert draft.tree_width is not None
     base = make_policy(name, threshold)
     policy: DraftPolicy = base
     gamma, lookup_policy = draft.gamma, None
     if not (name.startswith("thompson") or gamma is None):
-        return policy, gamma, None
+        return policy, gamma, None, None
     thompson = name.startswith("thompson")  # only a Thompson policy drafts at other depths (the bandit)
     costs = {d: ss.draft_costs(head, draft, d) for d in (head_depths(head) if thompson else [head.exit_layer])}
     if tuning is not None:  # what real rounds cost beyond their layers (measured by the calibration)
@@ -116,15 +117,17 @@ def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold:
         policy = DepthBandit(arms, k) if draft.depth_policy == "bandit" and len(arms) > 1 else arms[k]
     else:
         policy = CostAwarePolicy(base, shaped[k])
+    streak_policy = None
     if gamma is None:  # lookup blocks as long as the measured block costs and the lookup acceptance seen pay for
         lookup_policy = CostAwarePolicy(make_policy("fixed"), costs[k].for_lookup(), prior=LOOKUP_PRIOR)
+        streak_policy = CostAwarePolicy(make_policy("fixed"), costs[k].for_lookup(), prior=LOOKUP_STREAK_PRIOR)
     if gamma is None:
         gamma = MAX_AUTO_GAMMA
         if draft.tree_width > 1:
             gamma = max(1, min(MAX_AUTO_GAMMA, (MAX_TREE_NODES - 1) // draft.tree_width))
         if tuning is not None:  # the calibrated cap (the replayed optimum; 1 when nothing paid, to explore)
             gamma = min(gamma, max(tuning.gamma, 1))
-    return policy, gamma, lookup_policy
+    return policy, gamma, lookup_policy, streak_policy
 
 
 def specee_runner(split: SplitModel, drafter: EarlyExitDrafter, draft: DraftConfig) -> SpecEERunner | None:
