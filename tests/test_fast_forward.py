@@ -167,7 +167,8 @@ def test_ragged_batch_forward_equals_each_sequence_alone(arch):
 
 @pytest.mark.parametrize("b,n,hq,hkv,d,start,window", [
     (1, 1, 14, 2, 64, 200, 0), (1, 4, 14, 2, 64, 255, 0), (2, 3, 9, 3, 64, 30, 0), (1, 8, 14, 2, 64, 100, 16),
-    (1, 16, 4, 1, 32, 5, 0), (1, 5, 8, 8, 128, 40, 7), (1, 1, 9, 3, 64, 0, 0), (1, 13, 6, 2, 80, 3, 0)])
+    (1, 16, 4, 1, 32, 5, 0), (1, 5, 8, 8, 128, 40, 7), (1, 1, 9, 3, 64, 0, 0), (1, 13, 6, 2, 80, 3, 0),
+    (1, 70, 14, 2, 64, 0, 0), (1, 41, 9, 3, 64, 0, 16)])  # the last two: prefills (from position 0; a window)
 def test_fused_attention_matches_softmax_and_rows_do_not_interact(b, n, hq, hkv, d, start, window):
     """ops.attention (query rows of a KV head in vector lanes, its own exp): equal to softmax attention in float64 up
     to float rounding, and each row of a block bitwise the row of a single-query call at that position (what lets

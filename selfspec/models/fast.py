@@ -10,9 +10,11 @@ kept for tests and comparison). Same math, fewer and cheaper ops (docs/BENCHMARK
   three ops (``x * cos + roll(x) * sin_signed``, bit-identical to transformers' rotate_half form);
 - keys and values written straight into the static cache, attention by SDPA with grouped-query
   heads (no repeat of the keys), masks built once per call.
-- on CPU in float32, for the few rows of a decoding step (n <= 16), selfspec's fused C++ ops
-  (``selfspec/kernels/ops.cpp``): RMSNorm, rotary + cache write, causal attention over the cache,
-  silu * up, each one call instead of a chain of small torch ops;
+- on CPU in float32, selfspec's fused C++ ops (``selfspec/kernels/ops.cpp``): RMSNorm, rotary + cache write
+  and silu * up for any number of rows (a prefill's rows split over the threads: a 709-token prefill of the
+  0.5B model 2.99 -> 2.79 s), and causal attention over the cache for any number of queries (1.8-2.2x SDPA's
+  flash kernel on a prefill; token trees' masks go to SDPA), each one call instead of a chain of small torch
+  ops;
 - and for a causal step of one sequence, every layer of a range in one C++ call (``FastLayer.plan``,
   ``selfspec/kernels/step.cpp``): the same ops in the same order, with no Python between them.
 
@@ -169,8 +171,8 @@ class FastLayer:
         (its own length, positions and mask: ragged sequences stay exact), and every weight is read once
         for all rows. Updates ``h`` in place and returns it."""
         b, n, _ = h.shape
-        # fused: the compiled ops for everything (a decoding step's few rows); ops: the row-wise ones (norms,
-        # rotary + cache write, silu * up) for any number of rows, attention by SDPA past MAX_GEMV_ROWS (a prefill)
+        # fused: a decoding step's few rows (the linears' small-row kernels, a causal step's layers in one call);
+        # ops: the compiled row-wise ops (norms, rotary + cache write, silu * up) and causal attention for any rows
         ops = self.ops is not None and h.dtype == torch.float32
         fused = ops and b * n <= MAX_GEMV_ROWS
         if (fused and self.plan is not None and len(segments) == 1 and segments[0].causal and segments[0].n == n
@@ -181,12 +183,11 @@ class FastLayer:
             return h
         qkv = self._qkv(h, ops)  # [b, rows, (hq + 2 hkv) d]
         if len(segments) == 1 and segments[0].n == n:
-            a = self._attend(qkv, segments[0], ops, fused)
+            a = self._attend(qkv, segments[0], ops)
         else:
             a = h.new_empty(b, n, self.num_heads * self.head_dim)
             for seg in segments:
-                a[:, seg.offset : seg.offset + seg.n] = self._attend(qkv[:, seg.offset : seg.offset + seg.n], seg, ops,
-                                                                     fused)
+                a[:, seg.offset : seg.offset + seg.n] = self._attend(qkv[:, seg.offset : seg.offset + seg.n], seg, ops)
         return self._mlp(h, a, ops)
 
     def _fused_ops(self) -> Any:
@@ -208,19 +209,20 @@ class FastLayer:
             heads[:, :, hq : hq + hkv] = self._norm(heads[:, :, hq : hq + hkv].contiguous(), self.k_norm, True)
         return qkv
 
-    def _attend(self, qkv: torch.Tensor, seg: Segment, ops: bool, fused: bool) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, seg: Segment, ops: bool) -> torch.Tensor:
         """One segment's attention: rotary, its keys / values written into its cache, attention over the
-        cache (``ops``: rotary and the cache write by the compiled op; ``fused``: the attention too).
+        cache (``ops``: by the compiled ops; a token tree's mask by SDPA).
         ``qkv`` ``# [b, n, (hq + 2 hkv) d]`` -> ``# [b, n, hq d]``."""
         b, n, _ = qkv.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if ops:
             q = self._fused_ops().rope_qkv(qkv.contiguous(), *seg.rotary.raw, seg.keys, seg.values, seg.start, hq, hkv)
-            # Every causal block here (at most MAX_GEMV_ROWS queries) takes the fused op: measured faster than SDPA up
-            # to 16 queries (Qwen 0.5B shapes, context 256, 2 threads: n=1 13 vs 25 us, n=4 29 vs 62, n=16 103 vs
-            # 128). Its rows never depend on each other, so a verification block gives bitwise the rows of single
-            # steps (the int8 mode relies on it).
-            if fused and seg.causal:
+            # Every causal block takes the fused op: measured faster than SDPA from 1 query to a prefill (Qwen 0.5B
+            # shapes, 2 threads; context 256: n=1 13 vs 25 us, n=4 29 vs 62, n=16 103 vs 128; prompts from position
+            # 0 against SDPA's causal flash kernel: 64 rows 0.09 vs 0.18 ms, 200 0.55 vs 1.20, 709 5.5 vs 10.0).
+            # Its rows never depend on each other, so a verification block's attention gives bitwise the rows of
+            # single steps (the int8 mode relies on it).
+            if seg.causal:
                 return self._fused_ops().attention(q, seg.keys, seg.values, seg.start, self.window, self.scaling)
             return self._sdpa(q, seg.keys, seg.values, seg.start + n, seg.mask, self._from_zero(seg, n))
         heads = qkv.view(b, n, hq + 2 * hkv, d)
