@@ -127,12 +127,13 @@ def test_head_linears_run_packed_and_follow_weight_updates():
     assert head.linear(head.fuse) is head.fuse  # training: autograd through the module
 
 
-def test_head_context_bounds_the_catch_up_and_the_head_sees_only_its_run():
+@pytest.mark.parametrize("arch", ARCHS)
+def test_head_context_bounds_the_catch_up_and_the_head_sees_only_its_run(arch):
     """``head_context``: a stateful head catches up at most that many rows before a draft (at first the prompt's
     last ones), output stays the target's own, and each round's first draft equals the head's teacher-forced
     forward over just the positions it kept (from its restart to the pending token)."""
     context = 3
-    ss, head = deep_ss("llama", 2, lookup=4, seed=1)
+    ss, head = deep_ss(arch, 2, lookup=4, seed=1)
     drafter, split = ss.engine.drafter, ss.split
     drafter.head_context = context
     calls: list[int] = []

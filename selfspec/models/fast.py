@@ -171,12 +171,10 @@ class FastLayer:
         (its own length, positions and mask: ragged sequences stay exact), and every weight is read once
         for all rows. Updates ``h`` in place and returns it."""
         b, n, _ = h.shape
-        # fused: a decoding step's few rows (the linears' small-row kernels, a causal step's layers in one call);
-        # ops: the compiled row-wise ops (norms, rotary + cache write, silu * up) and causal attention for any rows
+        # ops: the compiled row-wise ops (norms, rotary + cache write, silu * up) and causal attention, for any rows
         ops = self.ops is not None and h.dtype == torch.float32
-        fused = ops and b * n <= MAX_GEMV_ROWS
-        if (fused and self.plan is not None and len(segments) == 1 and segments[0].causal and segments[0].n == n
-                and h.is_contiguous()):
+        if (ops and b * n <= MAX_GEMV_ROWS and self.plan is not None and len(segments) == 1 and segments[0].causal
+                and segments[0].n == n and h.is_contiguous()):
             seg = segments[0]  # one causal sequence (a head's block): the layer as one C++ call, the same ops
             self._fused_ops().run_layers([self.plan], h, [seg.rotary.raw[0]], [seg.rotary.raw[1]], [seg.keys],
                                          [seg.values], [seg.start])
@@ -195,14 +193,14 @@ class FastLayer:
         assert self.ops is not None, "a fused call without the compiled ops"
         return self.ops
 
-    def _norm(self, x: torch.Tensor, norm: Norm, fused: bool) -> torch.Tensor:
-        return self._fused_ops().rms_norm(x, norm.weight, norm.eps) if fused else norm(x)
+    def _norm(self, x: torch.Tensor, norm: Norm, ops: bool) -> torch.Tensor:
+        return self._fused_ops().rms_norm(x, norm.weight, norm.eps) if ops else norm(x)
 
-    def _qkv(self, h: torch.Tensor, fused: bool) -> torch.Tensor:  # [b, n, hidden] -> [b, n, (hq + 2 hkv) d]
+    def _qkv(self, h: torch.Tensor, ops: bool) -> torch.Tensor:  # [b, n, hidden] -> [b, n, (hq + 2 hkv) d]
         b, n, _ = h.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(self._norm(h, self.input_norm, fused))
-        if fused and self.q_norm is not None:  # Qwen3 / Gemma 3: per-head norms of q and k before rotary
+        qkv = self.qkv(self._norm(h, self.input_norm, ops))
+        if ops and self.q_norm is not None:  # Qwen3 / Gemma 3: per-head norms of q and k before rotary
             assert self.k_norm is not None  # q and k norms come together
             heads = qkv.view(b, n, hq + 2 * hkv, d)
             heads[:, :, :hq] = self._norm(heads[:, :, :hq].contiguous(), self.q_norm, True)
@@ -224,7 +222,7 @@ class FastLayer:
             # single steps (the int8 mode relies on it).
             if seg.causal:
                 return self._fused_ops().attention(q, seg.keys, seg.values, seg.start, self.window, self.scaling)
-            return self._sdpa(q, seg.keys, seg.values, seg.start + n, seg.mask, self._from_zero(seg, n))
+            return self._sdpa(q, seg.keys, seg.values, seg.start + n, seg.mask)  # a token tree's mask
         heads = qkv.view(b, n, hq + 2 * hkv, d)
         if self.q_norm is not None:
             assert self.k_norm is not None  # q and k norms come together
@@ -243,22 +241,22 @@ class FastLayer:
         its mask is then exactly SDPA's ``is_causal``."""
         return seg.causal and seg.start == 0 and n > 1 and (not self.window or n <= self.window)
 
-    def _mlp(self, h: torch.Tensor, a: torch.Tensor, fused: bool) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, a: torch.Tensor, ops: bool) -> torch.Tensor:
         """o_proj into the residual, then the MLP (sandwich norms for Gemma); ``h`` updated in place."""
         if self.sandwich:
-            h += self._norm(self.o(a), self.post_attn_norm, fused)
-            x = self._norm(h, self.pre_ff_norm, fused)
+            h += self._norm(self.o(a), self.post_attn_norm, ops)
+            x = self._norm(h, self.pre_ff_norm, ops)
         else:
             self.o(a, out=h, accumulate=True)
-            x = self._norm(h, self.post_attn_norm, fused)
+            x = self._norm(h, self.post_attn_norm, ops)
         gu = self.gate_up(x)
-        if fused and self.silu:
+        if ops and self.silu:
             y = self._fused_ops().silu_mul(gu)
         else:
             gate, up = gu.chunk(2, dim=-1)
             y = self.act(gate) * up
         if self.sandwich:
-            h += self._norm(self.down(y), self.post_ff_norm, fused)
+            h += self._norm(self.down(y), self.post_ff_norm, ops)
         else:
             self.down(y, out=h, accumulate=True)
         return h
