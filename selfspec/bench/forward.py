@@ -43,6 +43,7 @@ from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import bundled_head_dir, read_head_config
 from selfspec.memory import file_mappings, resident_mb
 from selfspec.models.cache import KVCache
+from selfspec.models.lean import ARCHITECTURES
 from selfspec.models.split import BACKENDS, SplitModel
 from selfspec.progress import progress
 from selfspec.timing import time_call
@@ -166,7 +167,8 @@ def memory_breakdown(ss: SelfSpec, rss_after_load: float) -> dict[str, Any]:
                 if getattr(m, "_dense", None) is not None)
     kv_token = 2 * split.num_layers * split.num_kv_heads * split.head_dim * split.dtype.itemsize
     gguf = ss.source_gguf.stat().st_size / MIB if ss.source_gguf else None
-    runtime, modeling = runtime_baseline_mb(type(ss.model).__module__)
+    package = ARCHITECTURES.get(split.config.model_type, ("llama",))[0]
+    runtime, modeling = runtime_baseline_mb(f"transformers.models.{package}.modeling_{package}")
     kv = _live_kv_bytes() / MIB
     file_resident = sum(m[3] for m in files)
     return {
@@ -180,6 +182,8 @@ def memory_breakdown(ss: SelfSpec, rss_after_load: float) -> dict[str, Any]:
         "float_params_mb": sum(p.numel() * p.element_size() for p in ss.model.parameters()) / MIB,
         "head_mb": _param_bytes(ss.head) / MIB, "kv_cache_mb": kv, "kv_kb_per_token": kv_token / 1024,
         "runtime_mb": runtime, "runtime_with_model_code_mb": modeling,
+        # a GGUF's lean tree (selfspec.models.lean) runs without transformers' model code
+        "model_code_imported": "transformers.modeling_utils" in sys.modules,
         "bound_mb": BOUND_FACTOR * gguf + kv + runtime if gguf else None,
     }
 
@@ -400,7 +404,8 @@ def format_memory(mem: dict) -> str:
         ratio = f" = {mem['packed_mb'] / mem['gguf_mb']:.2f} x the GGUF" if mem.get("gguf_mb") else ""
         lines += [
             f"- runtime: {mem['runtime_mb']:.0f} MB (python + torch + transformers imported), "
-            f"{mem['runtime_with_model_code_mb']:.0f} MB with transformers' model code imported",
+            f"{mem['runtime_with_model_code_mb']:.0f} MB with transformers' model code imported"
+            + ("" if mem.get("model_code_imported", True) else " (not imported here: the lean model tree)"),
             f"- packed weights: {mem['packed_mb']:.1f} MB{ratio}, {mem['packed_mapped_mb']:.1f} MB of them mapped "
             f"from the cache file ({mem['packed_file_resident_mb']:.1f} MB of its pages resident), the rest in "
             f"anonymous memory; dense float32 copies: {mem['dense_copies_mb']:.1f} MB",
@@ -410,11 +415,13 @@ def format_memory(mem: dict) -> str:
         ]
         if mem.get("bound_mb"):
             rss = max(mem["rss_after_load_mb"], mem["rss_all_weights_read_mb"])
-            extra = mem["runtime_with_model_code_mb"] - mem["runtime_mb"]
-            lines.append(f"- {rss:.0f} MB once every packed page has been read, against the bound {BOUND_FACTOR} x "
-                         f"GGUF + KV caches + runtime: {mem['bound_mb']:.0f} MB ({rss - mem['bound_mb']:+.0f} MB); "
-                         f"counting the runtime with transformers' model code: {mem['bound_mb'] + extra:.0f} MB "
+            line = (f"- {rss:.0f} MB once every packed page has been read, against the bound {BOUND_FACTOR} x "
+                    f"GGUF + KV caches + runtime: {mem['bound_mb']:.0f} MB ({rss - mem['bound_mb']:+.0f} MB)")
+            if mem.get("model_code_imported", True):
+                extra = mem["runtime_with_model_code_mb"] - mem["runtime_mb"]
+                line += (f"; counting the runtime with transformers' model code: {mem['bound_mb'] + extra:.0f} MB "
                          f"({rss - mem['bound_mb'] - extra:+.0f} MB)")
+            lines.append(line)
     return "\n".join(lines)
 
 

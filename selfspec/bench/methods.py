@@ -42,6 +42,7 @@ from selfspec.bench import llamacpp
 from selfspec.config import DraftConfig, GenerateConfig
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import bundled_head_dir, read_head_config
+from selfspec.models.lean import transformers_model
 
 if TYPE_CHECKING:
     from selfspec.api import SelfSpec
@@ -340,11 +341,11 @@ def _run_hf(ss: SelfSpec, ids: list[int], max_new_tokens: int, options: dict[str
         pos = kwargs.get("position_ids")
         starts.append(int(pos.reshape(-1)[0]) if isinstance(pos, torch.Tensor) else None)
 
-    model = ss.model
+    model = transformers_model(ss.model)  # transformers' CausalLM (over the same weights, for a lean tree)
     pad = getattr(model.generation_config, "pad_token_id", None)
     pad = pad if pad is not None else (ss.eos_token_ids[0] if ss.eos_token_ids else 0)
     x = torch.tensor([ids], dtype=torch.long, device=ss.split.device)
-    handle = ss.split.layers[-1].register_forward_pre_hook(hook, with_kwargs=True)
+    handle = model.get_submodule("model.layers")[-1].register_forward_pre_hook(hook, with_kwargs=True)
     try:
         t0 = time.perf_counter()
         with torch.inference_mode():

@@ -42,7 +42,8 @@ class Norm:
     """An RMSNorm module's weight and epsilon, applied with the module's own numerics."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.gemma = type(module).__name__ in _GEMMA_NORMS  # (1 + w), multiplied before the cast back
+        # (1 + w), multiplied before the cast back: Gemma's norms (transformers' class, or a lean tree's flag)
+        self.gemma = type(module).__name__ in _GEMMA_NORMS or bool(getattr(module, "plus_one", False))
         weight = module.weight
         assert isinstance(weight, torch.Tensor), f"{type(module).__name__} has no weight tensor"
         w = weight.detach()

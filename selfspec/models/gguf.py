@@ -1,8 +1,10 @@
 """Loading a GGUF file natively: the model keeps its block-quantized weights (no float32 copy).
 
-transformers builds the model's structure from the GGUF's metadata (on the meta device: nothing is
-allocated); its own name map (``get_gguf_hf_weights_map``) and tensor processors (the Llama q/k row
-permutation, Gemma's norm offset) place every tensor, exactly as its dequantizing loader would. Then:
+The model's structure comes from the GGUF's metadata (on the meta device: nothing is allocated): the lean tree
+(``selfspec.models.lean``: transformers' names and shapes without its model code) for the architectures it
+covers, else transformers' own model; transformers' name map (``get_gguf_hf_weights_map``) and tensor processors
+(the Llama q/k row permutation, Gemma's norm offset) place every tensor, exactly as its dequantizing loader
+would. Then:
 
 - each quantized Linear weight becomes a ``QuantLinear`` (``selfspec.quant``), packed for the kernels;
 - the quantized token embedding becomes a ``QuantEmbedding`` (rows dequantized as they are looked up);
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from selfspec.errors import ModelNotFoundError, SelfSpecError
+from selfspec.models.lean import lean_model, lean_supported
 from selfspec.models.split import check_supported
 from selfspec.paths import atomic_dir
 from selfspec.progress import progress, quiet_transformers
@@ -108,7 +111,7 @@ def load_gguf_model(path: Path, cache: Path | None = None) -> nn.Module:
         except Exception as e:
             raise ModelNotFoundError(f"'{path}' is not a readable GGUF file (truncated or corrupt?): {e}") from e
     check_supported(config.model_type)  # before any weights are read
-    model = empty_model(config)
+    model = lean_model(config) if lean_supported(config) else empty_model(config)
     if hit is None:
         quant, floats = _read_gguf(path, config, model)
         if cache is not None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from selfspec.errors import ModelNotFoundError
+from selfspec.models.configs import plain_config, transformers_config
 from selfspec.paths import atomic_dir
 from selfspec.progress import quiet_transformers
 from selfspec.quant.modules import QuantEmbedding, QuantLinear
@@ -68,7 +69,6 @@ def load_packed(cache: Path) -> tuple[Any, dict[str, QuantWeight], dict[str, tor
     """(config, packed weights, float tensors) as ``save_packed`` wrote them (memory-mapped), or None when
     there is no complete cache of this layout."""
     from safetensors import safe_open
-    from transformers import AutoConfig
 
     if not (cache / "packed.safetensors").is_file() or not (cache / "config.json").is_file():
         return None
@@ -96,7 +96,7 @@ def load_packed(cache: Path) -> tuple[Any, dict[str, QuantWeight], dict[str, tor
         for key in keys:
             if key.startswith("f."):
                 floats[key[2:]] = f.get_tensor(key)
-    return AutoConfig.from_pretrained(str(cache)), quant, floats
+    return plain_config(cache / "config.json"), quant, floats  # (converted where transformers' classes need it)
 
 
 def save_packed(cache: Path, config: Any, quant: dict[str, QuantWeight], floats: dict[str, torch.Tensor]) -> None:
@@ -161,4 +161,4 @@ def empty_model(config: Any) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False), quiet_transformers():
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(transformers_config(config), dtype=torch.float32, attn_implementation="sdpa")
