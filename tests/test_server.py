@@ -22,7 +22,7 @@ from selfspec.api import GenerationResult, StreamEvent
 from selfspec.batch.scheduler import BatchConfig
 from selfspec.config import GenerateConfig
 from selfspec.server.app import create_app, make_server
-from selfspec.server.errors import QueueFullError, ShuttingDownError
+from selfspec.server.errors import APIError, QueueFullError, ShuttingDownError
 from selfspec.server.metrics import Metrics
 from selfspec.server.worker import Job, Worker
 from selfspec.stats import GenerationStats
@@ -405,6 +405,20 @@ def test_malformed_requests_get_openai_errors(server, ss, path, body, status, co
 
 
 @pytest.mark.slow
+def test_a_catalog_model_is_served_under_its_short_name_too():
+    """`selfspec serve --model qwen2.5-coder-0.5b`: clients may send the short name it was started with or its id."""
+    from selfspec.models import catalog
+    from selfspec.server.routes import ServerState
+
+    aliases = catalog.short_names("Qwen2.5-Coder-0.5B-Instruct")
+    assert aliases == {"qwen2.5-coder-0.5b"} and not catalog.short_names("SmolLM2-135M-Instruct")
+    st = ServerState(None, None, None, "Qwen2.5-Coder-0.5B-Instruct", 0, aliases=aliases)
+    st.check_model("Qwen2.5-Coder-0.5B-Instruct")
+    st.check_model("qwen2.5-coder-0.5b")
+    with pytest.raises(APIError, match="does not exist"):
+        st.check_model("qwen2.5-coder-7b")
+
+
 def test_openai_client_sees_typed_errors(server, client, ss):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="no-such-model", messages=MSGS)

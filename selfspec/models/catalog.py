@@ -45,6 +45,11 @@ MODELS: dict[str, CatalogModel] = {
 }
 
 
+def short_names(name: str) -> frozenset[str]:
+    """The catalog's short names of the model named ``name`` (its model id, e.g. 'Qwen2.5-Coder-0.5B-Instruct')."""
+    return frozenset(k for k, m in MODELS.items() if m.name == name)
+
+
 def _part_path(module: str, rel: str) -> Path | None:
     spec = importlib.util.find_spec(module)  # locate only: never import a model wheel
     if spec is None or spec.origin is None:

@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from selfspec.batch.scheduler import BatchConfig
+from selfspec.models import catalog
 from selfspec.server.config import ServeConfig
 from selfspec.server.errors import install_handlers
 from selfspec.server.metrics import Metrics
@@ -60,7 +61,9 @@ def create_app(ss: Any, api_key: str | None = None, model_name: str | None = Non
         await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="selfspec", description="OpenAI-compatible API over selfspec", lifespan=lifespan)
-    app.state.selfspec = ServerState(ss, worker, metrics, name, int(time.time()), method)
+    # the short name it may have been started with (`selfspec serve --model qwen2.5-coder-0.5b`) is accepted too
+    aliases = catalog.short_names(name) if model_name is None else frozenset()
+    app.state.selfspec = ServerState(ss, worker, metrics, name, int(time.time()), method, aliases)
     install_handlers(app)
     app.include_router(router)
     if api_key:

@@ -64,9 +64,10 @@ class ServerState:
     model_name: str
     created: int
     method: str = "selfspec"  # decoding method of requests that name none
+    aliases: frozenset[str] = frozenset()  # other names the model is served under (its catalog short name)
 
     def check_model(self, model: str) -> None:
-        if model != self.model_name:
+        if model != self.model_name and model not in self.aliases:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
