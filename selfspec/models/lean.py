@@ -185,14 +185,14 @@ class LeanMLP(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         act = ACTIVATIONS[_activation_name(config)]
+        bias = config.model_type == "llama" and bool(getattr(config, "mlp_bias", False))  # Llama's option only
         if config.model_type == "phi3":
             self.gate_up_proj = _meta_linear(hidden, 2 * inter, False)
             self.activation_fn = act
         else:
-            bias = config.model_type == "llama" and bool(getattr(config, "mlp_bias", False))
             self.gate_proj, self.up_proj = _meta_linear(hidden, inter, bias), _meta_linear(hidden, inter, bias)
             self.act_fn = act
-        self.down_proj = _meta_linear(inter, hidden, config.model_type == "llama" and bool(getattr(config, "mlp_bias", False)))
+        self.down_proj = _meta_linear(inter, hidden, bias)
 
 
 class LeanDecoderLayer(nn.Module):
