@@ -104,11 +104,23 @@ def test_quantize_at_load_is_cached_and_refuses_a_gguf(tmp_path, monkeypatch, on
     ss = SelfSpec.load(ModelConfig(model=str(tmp_path / "m"), quantize="Q5_1"), DraftConfig(head="lm", tune="off"))
     assert ss.model.model.layers[0].self_attn.q_proj.qweight.type_name == "Q5_1"
     assert list((tmp_path / "cache" / "packed").glob("*/packed.safetensors"))
-    again = SelfSpec.load(ModelConfig(model=str(tmp_path / "m"), quantize="Q5_1"), DraftConfig(head="lm", tune="off"))
+    import transformers
+
+    def no_float_model(*args, **kwargs):
+        raise AssertionError("a cached quantized load read the float model")
+
+    with monkeypatch.context() as m:  # a cache hit builds the lean tree over the packed weights, nothing else
+        m.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_float_model)
+        again = SelfSpec.load(ModelConfig(model=str(tmp_path / "m"), quantize="Q5_1"),
+                              DraftConfig(head="lm", tune="off"))
+    assert type(again.model).__name__ == "LeanCausalLM"
+    assert again.model.generation_config.to_dict() == ss.model.generation_config.to_dict()
     w = ss.model.model.layers[2].mlp.up_proj.weight
     assert torch.equal(again.model.model.layers[2].mlp.up_proj.weight, w)  # from the cache, the same values
     prompt = prompt_of(7, 2)
-    assert again.generate(prompt, max_new_tokens=NEW).token_ids == hf_greedy(again.model, prompt, NEW, again.eos_token_ids)
+    ref = hf_greedy(ss.model, prompt, NEW, ss.eos_token_ids)
+    assert again.generate(prompt, max_new_tokens=NEW).token_ids == ref
+    assert hf_greedy(again.model, prompt, NEW, again.eos_token_ids) == ref
     with pytest.raises(InvalidConfigError, match="already quantized"):
         SelfSpec.load(ModelConfig(quantize="Q4_0"))
 

@@ -26,6 +26,7 @@ from selfspec.errors import InvalidConfigError, ModelNotFoundError, SelfSpecErro
 from selfspec.memory import trim_heap
 from selfspec.models import catalog
 from selfspec.models.gguf import load_gguf_model, load_gguf_tokenizer
+from selfspec.models.lean import lean_model, lean_supported
 from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
 from selfspec.paths import atomic_dir, cache_root
 from selfspec.progress import progress, quiet_transformers
@@ -217,23 +218,51 @@ def _load_native(gguf: Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _quantized(model: Any, cfg: ModelConfig, where: str) -> Any:
-    """``model`` quantized to ``cfg.quantize``, through the packed cache (keyed by source, type, file times)."""
-    assert cfg.quantize is not None  # called when quantizing
-
-    if torch.device(cfg.device).type != "cpu" or model.dtype != torch.float32:
+def _quantize_cache(cfg: ModelConfig, where: str) -> Path:
+    """Where ``where``'s weights quantized to ``cfg.quantize`` are kept (keyed by source, type and file times)."""
+    if torch.device(cfg.device).type != "cpu" or cfg.dtype not in ("auto", "float32"):
         raise InvalidConfigError("quantize runs on the CPU in float32 (dtype='auto' or 'float32', device='cpu')")
     stamp = "".join(f"{p.name}{p.stat().st_mtime_ns}" for p in sorted(Path(where).glob("*.safetensors"))) \
         if Path(where).is_dir() else ""
     key = hashlib.sha256(f"{Path(where).resolve() if Path(where).is_dir() else where}\0{stamp}".encode()).hexdigest()[:16]
-    cache = cache_root() / "packed" / f"{Path(where).name}-{cfg.quantize}-{key}"
-    hit = load_packed(cache)
+    return cache_root() / "packed" / f"{Path(where).name}-{cfg.quantize}-{key}"
+
+
+def _assembled(hit: tuple[Any, dict, dict], where: str) -> Any:
+    """A model over the packed cache's weights: the lean tree where the architecture has one (no transformers model
+    code, nor its float weights, are loaded), else transformers' model."""
+    config, quant, floats = hit
+    check_supported(config.model_type)
+    return assemble(lean_model(config) if lean_supported(config) else empty_model(config), quant, floats, where)
+
+
+def _quantized_cached(cfg: ModelConfig, where: str) -> Any | None:
+    """``where`` quantized to ``cfg.quantize`` from the packed cache, without loading the float model; None on a
+    miss. The generation config is the model's own (its generation_config.json, else from its config)."""
+    from transformers import GenerationConfig
+
+    hit = load_packed(_quantize_cache(cfg, where))
     if hit is None:
-        quant, floats = quantize_parts(model, cfg.quantize)
-        save_packed(cache, model.config, quant, floats)
-        hit = load_packed(cache) or (None, quant, floats)  # mapped from the file, as every later load
-    _, quant, floats = hit
-    out = assemble(empty_model(model.config), quant, floats, where)
+        return None
+    model = _assembled(hit, where)
+    try:
+        with quiet_transformers():
+            model.generation_config = GenerationConfig.from_pretrained(where)
+    except (OSError, ValueError):  # none saved: what transformers derives from the model's config
+        model.generation_config = GenerationConfig.from_model_config(hit[0])
+    return model
+
+
+def _quantized(model: Any, cfg: ModelConfig, where: str) -> Any:
+    """``model`` quantized to ``cfg.quantize``, written to the packed cache and mapped back from it."""
+    assert cfg.quantize is not None  # called when quantizing
+    cache = _quantize_cache(cfg, where)
+    if model.dtype != torch.float32:
+        raise InvalidConfigError("quantize runs on the CPU in float32 (dtype='auto' or 'float32', device='cpu')")
+    quant, floats = quantize_parts(model, cfg.quantize)
+    save_packed(cache, model.config, quant, floats)
+    hit = load_packed(cache) or (model.config, quant, floats)  # mapped from the file, as every later load
+    out = _assembled(hit, where)
     out.generation_config = model.generation_config
     return out
 
@@ -265,13 +294,18 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     if is_native_quantized(cfg):
         native = local_gguf(cfg)
         assert native is not None  # is_native_quantized: a local GGUF
-        model, tokenizer = _load_native(native)
-        lean_tokenizer(tokenizer)
-        if model.generation_config is not None and model.generation_config.pad_token_id is None:
-            model.generation_config.pad_token_id = tokenizer.eos_token_id
-        trim_heap()  # what parsing the tokenizer (and a first load's GGUF decoding) freed
-        return set_numerics(model, cfg.numerics), tokenizer
+        model, tokenizer = _load_native(native)  # (trim_heap: what a first load's GGUF decoding freed too)
+        return _finish(set_numerics(model, cfg.numerics), lean_tokenizer(tokenizer))
     where, gguf = resolve_model(cfg.model, cfg.gguf_file)
+    if cfg.quantize:
+        cached = _quantized_cached(cfg, where)
+        if cached is not None:  # quantized before: its packed weights, and no float model loaded
+            try:
+                with quiet_transformers():
+                    tokenizer = AutoTokenizer.from_pretrained(where)
+            except Exception as e:
+                raise ModelNotFoundError(f"cannot load the tokenizer of '{cfg.model}': {e}") from e
+            return _finish(set_numerics(cached, cfg.numerics), lean_tokenizer(tokenizer))
     config = load_config(where, gguf)
     check_supported(config.model_type)  # before any weights are read
     kw: dict[str, Any] = {"dtype": DTYPES.get(cfg.dtype, torch.float32), "attn_implementation": "sdpa"}
@@ -289,10 +323,15 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         model = _quantized(model, cfg, where)
     if cfg.numerics != "exact":
         set_numerics(model, cfg.numerics)
-    model = model.to(cfg.device).eval().requires_grad_(False)
+    return _finish(model.to(cfg.device).eval().requires_grad_(False), tokenizer)
+
+
+def _finish(model: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """The loaded pair, padding with EOS where the model names no pad token; the heap's free pages go back to the
+    system (what loading freed: a float model that was quantized, the tokenizer's parsing, a GGUF's decoding)."""
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.eos_token_id
-    trim_heap()  # what loading freed (the float model's, when it was quantized; the tokenizer's parsing)
+    trim_heap()
     return model, tokenizer
 
 
