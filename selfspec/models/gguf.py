@@ -27,12 +27,12 @@ import torch
 from torch import nn
 
 from selfspec.errors import ModelNotFoundError, SelfSpecError
-from selfspec.models.lean import lean_model, lean_supported
+from selfspec.models.lean import meta_model
 from selfspec.models.split import check_supported
 from selfspec.paths import atomic_dir
 from selfspec.progress import progress, quiet_transformers
 from selfspec.quant.formats import FLOAT_TYPES, check_type
-from selfspec.quant.store import assemble, empty_model, load_packed, save_packed
+from selfspec.quant.store import assemble, load_packed, save_packed
 from selfspec.quant.weight import QuantWeight
 
 
@@ -111,7 +111,7 @@ def load_gguf_model(path: Path, cache: Path | None = None) -> nn.Module:
         except Exception as e:
             raise ModelNotFoundError(f"'{path}' is not a readable GGUF file (truncated or corrupt?): {e}") from e
     check_supported(config.model_type)  # before any weights are read
-    model = lean_model(config) if lean_supported(config) else empty_model(config)
+    model = meta_model(config)
     if hit is None:
         quant, floats = _read_gguf(path, config, model)
         if cache is not None:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.models.configs import transformers_config
+from selfspec.models.fast import Norm
 from selfspec.quant.modules import QuantEmbedding, QuantLinear
 from selfspec.quant.store import empty_model
 
@@ -109,12 +110,8 @@ class LeanRMSNorm(nn.Module):
         self.variance_epsilon = eps
         self.plus_one = plus_one  # Gemma's (1 + w), multiplied before the cast back
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.float32)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        if self.plus_one:
-            return (y * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * y.to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        return Norm(self)(x)  # the fast layers' RMSNorm: transformers' numerics (the weight read without grads)
 
 
 class LeanRotary(nn.Module):
@@ -257,6 +254,12 @@ def lean_model(config: Any) -> LeanCausalLM:
     if not lean_supported(config):
         raise ValueError(f"no lean tree for this {config.model_type} configuration")
     return LeanCausalLM(config)
+
+
+def meta_model(config: Any) -> nn.Module:
+    """The model tree for ``config`` with its weights on the meta device, for ``assemble`` to fill: the lean tree
+    where it covers the configuration, else transformers' model (``empty_model``)."""
+    return lean_model(config) if lean_supported(config) else empty_model(config)
 
 
 # ---- transformers' modules over the same weights ------------------------------------------------------------

@@ -26,13 +26,13 @@ from selfspec.errors import InvalidConfigError, ModelNotFoundError, SelfSpecErro
 from selfspec.memory import trim_heap
 from selfspec.models import catalog
 from selfspec.models.gguf import load_gguf_model, load_gguf_tokenizer
-from selfspec.models.lean import lean_model, lean_supported
+from selfspec.models.lean import meta_model
 from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
 from selfspec.paths import atomic_dir, cache_root
 from selfspec.progress import progress, quiet_transformers
 from selfspec.quant.convert import quantize_parts
 from selfspec.quant.modules import set_numerics
-from selfspec.quant.store import assemble, empty_model, load_packed, save_packed
+from selfspec.quant.store import assemble, load_packed, save_packed
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -233,7 +233,7 @@ def _assembled(hit: tuple[Any, dict, dict], where: str) -> Any:
     code, nor its float weights, are loaded), else transformers' model."""
     config, quant, floats = hit
     check_supported(config.model_type)
-    return assemble(lean_model(config) if lean_supported(config) else empty_model(config), quant, floats, where)
+    return assemble(meta_model(config), quant, floats, where)
 
 
 def _quantized_cached(cfg: ModelConfig, where: str) -> Any | None:
@@ -256,9 +256,7 @@ def _quantized_cached(cfg: ModelConfig, where: str) -> Any | None:
 def _quantized(model: Any, cfg: ModelConfig, where: str) -> Any:
     """``model`` quantized to ``cfg.quantize``, written to the packed cache and mapped back from it."""
     assert cfg.quantize is not None  # called when quantizing
-    cache = _quantize_cache(cfg, where)
-    if model.dtype != torch.float32:
-        raise InvalidConfigError("quantize runs on the CPU in float32 (dtype='auto' or 'float32', device='cpu')")
+    cache = _quantize_cache(cfg, where)  # (checked there: the CPU, float32)
     quant, floats = quantize_parts(model, cfg.quantize)
     save_packed(cache, model.config, quant, floats)
     hit = load_packed(cache) or (model.config, quant, floats)  # mapped from the file, as every later load
