@@ -257,3 +257,37 @@ def test_five_bit_words_layout():
     assert weight.pack_layout() == ("w5" if weight.words5() else "p5")
     with pytest.raises(ValueError, match="groups of 32"):
         weight._pack_words5(q[:, :, :16])
+
+
+@pytest.mark.parametrize("type_name", QUANTIZABLE)
+def test_legacy_scales_are_float16_and_compute_as_float32_ones(type_name):
+    """The legacy types keep their GGUF float16 scales (and offsets) packed as float16: half the bytes, and every
+    kernel (rows, int8 mode, dequantized rows and tiles) gives bit for bit what float32 copies of them give."""
+    raw = random_tensor(type_name, 53, 512, seed=7)
+    half = QuantWeight.from_gguf(raw, type_name, 512)
+    assert half.scales.dtype == torch.float16 and half.offsets.dtype in (torch.float16, torch.float32)
+    if FORMATS[type_name].offset:
+        assert half.offsets.dtype == torch.float16
+    full = QuantWeight(type_name, half.shape, half.codes, half.scales.float(),
+                       half.offsets.float() if half.offsets.numel() else half.offsets)
+    assert full.nbytes - half.nbytes == (half.scales.numel() + half.offsets.numel()) * 2
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 4, 16, 40):
+        x = torch.randn(rows, 512, generator=g)
+        for int8 in (False, True):
+            half.int8 = full.int8 = int8
+            a, b = torch.empty(rows, 53), torch.empty(rows, 53)
+            half.matmul(x, a)
+            full.matmul(x, b)
+            assert torch.equal(a, b), (rows, int8)
+    ids = torch.tensor([0, 17, 52])
+    assert torch.equal(half.rows(ids), full.rows(ids))
+    ext = built_extension()
+    assert torch.equal(ext.qdense_t(*half.kernel_args(), 0, 4, torch.empty(512, 64)),
+                       ext.qdense_t(*full.kernel_args(), 0, 4, torch.empty(512, 64)))
+
+
+def test_k_quant_scales_stay_float32():
+    """d x a 6-bit sub-scale is not a float16: the K-quants keep float32 scales (exactness first)."""
+    for type_name in K_QUANTS:
+        assert QuantWeight.from_gguf(random_tensor(type_name, 16, 256), type_name, 256).scales.dtype == torch.float32

@@ -1,5 +1,5 @@
 // selfspec's CPU kernels for GGUF block-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) (+= y),
-// W kept as small integer codes with a float32 scale (and offset) per group of 16 or 32 weights, each
+// W kept as small integer codes with a scale (and offset) per group of 16 or 32 weights, each
 // weight dequantized in registers and multiplied against float32 activations.
 //
 // Exactness. selfspec/quant/formats.py decodes every GGUF block type into the same form
@@ -14,8 +14,8 @@
 //
 // Packed layout (one tensor, made once at load by selfspec/quant/weight.py):
 //   codes    # [N / 16, G, CB] uint8     16 output rows (one vector of lanes) by G groups of g weights
-//   scales   # [N / 16, G, 16] float32   s of each row's group
-//   offsets  # [N / 16, G, 16] float32   o (only for types with one; else an empty tensor)
+//   scales   # [N / 16, G, 16] float32   s of each row's group (float16 for the legacy types: exact, see Sc)
+//   offsets  # [N / 16, G, 16] float32   o (only for types with one; else an empty tensor), typed like scales
 // Inside a group of 16 rows x g columns (k = 0 .. g-1), CB bytes:
 //   bits 4: g / 2 vectors of 16 bytes, byte r of vector p = q[r][2p] | q[r][2p + 1] << 4;
 //   bits 5 (g = 32), AVX-512 builds ("words"): 5 vectors of 16 32-bit words; bits 5c .. 5c + 4 of word r of
@@ -91,6 +91,30 @@ inline vi widen(const uint8_t* p) {  // VL bytes -> VL int32 (vpmovzxbd; GCC's g
 #endif
 }
 
+// A packed weight's scales (or offsets), 16 per group: float32, or float16 where every value is exact in it (the
+// legacy types' d and m are float16 in the GGUF: their packed copy keeps them so, 2 bytes a value instead of 4;
+// selfspec/quant/weight.py). Widening a half to float32 is exact, so the weights are the same either way; the flag is
+// per weight and checked per group (a predictable branch beside a group's 16-32 columns of work).
+struct Sc {
+  const void* p = nullptr;
+  bool half = false;
+  Sc operator+(int64_t i) const {
+    return {p ? (const void*)((const char*)p + i * (half ? 2 : 4)) : nullptr, half};
+  }
+  vf vec(int64_t i) const {  // VL values from value i
+    if (half) {
+#if defined(__AVX512F__)
+      return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)));
+#else
+      return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)));
+#endif
+    }
+    return loadf((const float*)p + i);
+  }
+  float at(int64_t i) const { return half ? _cvtsh_ss(((const uint16_t*)p)[i]) : ((const float*)p)[i]; }
+  const char* addr(int64_t i) const { return (const char*)p + i * (half ? 2 : 4); }
+};
+
 #if defined(__AVX512F__)
 constexpr bool WORDS5 = true;  // 5-bit codes as words (the layout above)
 #else
@@ -158,10 +182,10 @@ inline int64_t group_bytes(int bits, int64_t g) {
 // at one row +13%, the int8 mode's 4/5-bit codes +5-12% at 1-2 rows, the rest level).
 constexpr int AHEAD = 6;
 template <bool OFF>
-inline void prefetch_group(const uint8_t* codes, int64_t CB, const float* sc, const float* of, int64_t j) {
+inline void prefetch_group(const uint8_t* codes, int64_t CB, Sc sc, Sc of, int64_t j) {
   for (int64_t o = 0; o < CB; o += 64) _mm_prefetch((const char*)(codes + (j + AHEAD) * CB + o), _MM_HINT_T0);
-  _mm_prefetch((const char*)(sc + (j + AHEAD) * L), _MM_HINT_T0);
-  if constexpr (OFF) _mm_prefetch((const char*)(of + (j + AHEAD) * L), _MM_HINT_T0);
+  _mm_prefetch(sc.addr((j + AHEAD) * L), _MM_HINT_T0);
+  if constexpr (OFF) _mm_prefetch(of.addr((j + AHEAD) * L), _MM_HINT_T0);
 }
 
 // The codes of columns k and k + 1 of one group (k even), lanes [VL h, VL h + VL).
@@ -242,16 +266,15 @@ inline void column_pair_madd(const uint8_t* __restrict cg, int64_t g, int k, con
 // inlined, it made the compiler slow the 2-row tile by a third.
 template <int BITS, bool OFF, int MC>
 __attribute__((noinline)) void tile_halves(const float* __restrict x, int64_t ldx, int64_t G, int64_t g,
-                                           const uint8_t* __restrict codes, const float* __restrict sc,
-                                           const float* __restrict of, float z, float* __restrict res) {
+                                           const uint8_t* __restrict codes, Sc sc, Sc of, float z, float* __restrict res) {
   const vf zv = bcast(z);
   const int64_t CB = group_bytes(BITS, g);
   for (int h = 0; h < NV; ++h) {
     vf a[MC];
     for (int m = 0; m < MC; ++m) a[m] = vf{};
     for (int64_t j = 0; j < G; ++j) {
-      const vf s = loadf(sc + j * L + VL * h);
-      const vf c = OFF ? loadf(of + j * L + VL * h) : zv * s;
+      const vf s = sc.vec(j * L + VL * h);
+      const vf c = OFF ? of.vec(j * L + VL * h) : zv * s;
       const uint8_t* cg = codes + j * CB;
       const float* xj = x + j * g;
       for (int k = 0; k < g; k += 2) {
@@ -283,7 +306,7 @@ __attribute__((noinline)) void tile_halves(const float* __restrict x, int64_t ld
 // docs/QUANTIZED.md). A/B on a Zen 5, 2 threads: docs/QUANTIZED.md.
 template <int BITS, bool OFF, int MC>
 inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64_t g,
-                        const uint8_t* __restrict codes, const float* __restrict sc, const float* __restrict of,
+                        const uint8_t* __restrict codes, Sc sc, Sc of,
                         const float* __restrict xsum, float z, float* __restrict res) {
   static_assert(BITS == 4 || BITS == 5 || (BITS == 8 && !OFF), "4- or 5-bit codes, or bytes with z = 128");
   alignas(64) float t[32];
@@ -340,13 +363,13 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
 #pragma GCC unroll 16
       for (int k = 0; k < gk; k += 2) pair(k, p[0], p[NP - 1]);
     }
-    const vf s = loadf(sc + j * L);
+    const vf s = sc.vec(j * L);
     for (int m = 0; m < MC; ++m) {
       vf t = p[0][m];
       if constexpr (NP == 4) t = (p[0][m] + p[1][m]) + (p[2][m] + p[NP - 1][m]);
       else if constexpr (NP == 2) t = p[0][m] + p[NP - 1][m];
       acc[m] = fma(t, s, acc[m]);
-      if constexpr (OFF) acc[m] = fma(-loadf(of + j * L), bcast(xsum[m * G + j]), acc[m]);
+      if constexpr (OFF) acc[m] = fma(-of.vec(j * L), bcast(xsum[m * G + j]), acc[m]);
     }
   }
   for (int m = 0; m < MC; ++m) std::memcpy(res + m * L, &acc[m], sizeof(vf));
@@ -362,7 +385,7 @@ constexpr bool LOOKUP = VL == 16 && (BITS == 4 || BITS == 5 || (BITS == 8 && !OF
 // multiply-adds do not wait on each other. xsum # [MC, G]: each x-row's group sums (the offset types' table path).
 template <int BITS, bool OFF, int MC>
 inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, const uint8_t* __restrict codes,
-                 const float* __restrict sc, const float* __restrict of, const float* __restrict xsum, float z,
+                 Sc sc, Sc of, const float* __restrict xsum, float z,
                  float* __restrict res) {
   if constexpr (VL == 8 && MC >= 5) {
     tile_halves<BITS, OFF, MC>(x, ldx, G, g, codes, sc, of, z, res);
@@ -385,8 +408,8 @@ inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, c
     prefetch_group<OFF>(codes, CB, sc, of, j);
     vf s[NV], c[NV];
     for (int h = 0; h < NV; ++h) {
-      s[h] = loadf(sc + j * L + VL * h);
-      c[h] = OFF ? loadf(of + j * L + VL * h) : zv * s[h];
+      s[h] = sc.vec(j * L + VL * h);
+      c[h] = OFF ? of.vec(j * L + VL * h) : zv * s[h];
     }
     const uint8_t* cg = codes + j * CB;
     const float* xj = x + j * g;
@@ -436,7 +459,7 @@ void dispatch(int64_t bits, bool off, F&& f) {
 }
 
 template <int BITS, bool OFF>
-void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* sc, const float* of, int64_t NB,
+void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Sc sc, Sc of, int64_t NB,
          int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N, bool accumulate) {
   const int64_t CB = group_bytes(BITS, g);
   std::vector<float> xsum;  // [M, G] each x-row's group sums, for the offset types' table path
@@ -452,8 +475,8 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float
   for (int64_t b = 0; b < NB; ++b) {
     float res[MCMAX * L];
     const uint8_t* cb = codes + b * G * CB;
-    const float* sb = sc + b * G * L;
-    const float* ob = OFF ? of + b * G * L : nullptr;
+    const Sc sb = sc + b * G * L;
+    const Sc ob = OFF ? of + b * G * L : Sc{};
     const int64_t rows = std::min<int64_t>(L, N - b * L);
     for (int64_t m0 = 0; m0 < M;) {
       const int64_t left = M - m0;
@@ -485,11 +508,12 @@ void check_packed(const torch::Tensor& codes, const torch::Tensor& scales, const
   TORCH_CHECK(codes.size(2) == group_bytes(bits, group), "codes: ", codes.size(2), " bytes per group, expected ",
               group_bytes(bits, group));
   TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.size(0) == codes.size(0) &&
-                  scales.size(1) == codes.size(1) && scales.size(2) == L && scales.scalar_type() == torch::kFloat,
-              "scales: [N/16, G, 16] float32");
+                  scales.size(1) == codes.size(1) && scales.size(2) == L &&
+                  (scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf),
+              "scales: [N/16, G, 16] float32 or float16");
   TORCH_CHECK(offsets.numel() == 0 || (offsets.sizes() == scales.sizes() && offsets.is_contiguous() &&
-                                       offsets.scalar_type() == torch::kFloat),
-              "offsets: empty or shaped like scales");
+                                       offsets.scalar_type() == scales.scalar_type()),
+              "offsets: empty or shaped (and typed) like scales");
 }
 
 // The arguments of qlinear / qlinear_i8, checked.
@@ -506,12 +530,17 @@ void check_linear(const torch::Tensor& x, const torch::Tensor& codes, const torc
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias: [N] or empty");
 }
 
+// A checked scales or offsets tensor as the kernels read it (an empty tensor: none).
+Sc sc_of(const torch::Tensor& t) {
+  return {t.numel() ? t.data_ptr() : nullptr, t.scalar_type() == torch::kHalf};
+}
+
 // The raw pointers and sizes of a checked qlinear / qlinear_i8 call (the packed weight, bias, output).
 struct LinearArgs {
   int64_t M, K, NB, G, N, ldy;
   const uint8_t* codes;
-  const float* scales;
-  const float* offsets;  // nullptr: the type has no offsets
+  Sc scales;
+  Sc offsets;  // p == nullptr: the type has no offsets
   const float* bias;     // nullptr: none
   float* y;
   float z;
@@ -526,7 +555,7 @@ LinearArgs linear_args(const torch::Tensor& x, const torch::Tensor& codes, const
   TORCH_CHECK(bits != 8 || z == 128.0, "8-bit codes must have zero point 128 (Q8_0, Q6_K), got ", z);
   const bool off = offsets.numel() > 0;
   return {x.size(0), x.size(1), codes.size(0), codes.size(1), out.size(1), out.stride(0),
-          codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), off ? offsets.data_ptr<float>() : nullptr,
+          codes.data_ptr<uint8_t>(), sc_of(scales), sc_of(offsets),
           bias.numel() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), (float)z, off};
 }
 
@@ -699,7 +728,7 @@ constexpr bool PAIRS = false;
 template <int BITS, bool OFF, int MC>
 void tile_i8(const int8_t* __restrict qx, const int8_t* __restrict xp, const float* __restrict dx,
              const int32_t* __restrict sx, int64_t K, int64_t G, int64_t g, const uint8_t* __restrict codes,
-             const float* __restrict sc, const float* __restrict of, float z, float* __restrict res) {
+             Sc sc, Sc of, float z, float* __restrict res) {
   vf acc[MC][NV];
   for (int m = 0; m < MC; ++m)
     for (int h = 0; h < NV; ++h) acc[m][h] = vf{};
@@ -790,8 +819,8 @@ void tile_i8(const int8_t* __restrict qx, const int8_t* __restrict xp, const flo
       }
 #endif
     for (int h = 0; h < NV; ++h) {
-      const vf s = loadf(sc + j * L + VL * h);
-      const vf cz = OFF ? zv * s + loadf(of + j * L + VL * h) : zv * s;
+      const vf s = sc.vec(j * L + VL * h);
+      const vf cz = OFF ? zv * s + of.vec(j * L + VL * h) : zv * s;
       for (int m = 0; m < MC; ++m) {
         const vf t = s * __builtin_convertvector(isum[m][h], vf) - cz * (float)sx[m * G + j];
         acc[m][h] = fma(t, bcast(dx[m * G + j]), acc[m][h]);
@@ -805,7 +834,7 @@ void tile_i8(const int8_t* __restrict qx, const int8_t* __restrict xp, const flo
 template <int BITS, bool OFF>
 void run_i8(const int8_t* qx, const int8_t* xp, const float* dx, const int32_t* sx, int64_t M, int64_t K,
             const uint8_t* codes,
-            const float* sc, const float* of, int64_t NB, int64_t G, int64_t g, float z, const float* bias, float* y,
+            Sc sc, Sc of, int64_t NB, int64_t G, int64_t g, float z, const float* bias, float* y,
             int64_t ldy, int64_t N, bool accumulate) {
   const int64_t CB = group_bytes(BITS, g);
 #pragma omp parallel for schedule(static)
@@ -819,8 +848,8 @@ void run_i8(const int8_t* qx, const int8_t* xp, const float* dx, const int32_t* 
       const float* d = dx + m0 * G;
       const int32_t* sm = sx + m0 * G;
       const uint8_t* cb = codes + b * G * CB;
-      const float* sb = sc + b * G * L;
-      const float* ob = OFF ? of + b * G * L : nullptr;
+      const Sc sb = sc + b * G * L;
+      const Sc ob = OFF ? of + b * G * L : Sc{};
       switch (mc) {
         case 1: tile_i8<BITS, OFF, 1>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
         case 2: tile_i8<BITS, OFF, 2>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
@@ -889,8 +918,7 @@ torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
               "out: [R, K] float32");
   const int64_t CB = group_bytes(bits, group);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* op = offsets.numel() ? offsets.data_ptr<float>() : nullptr;
+  const Sc sp = sc_of(scales), op = sc_of(offsets);
   const int64_t* ip = ids.data_ptr<int64_t>();
   float* yp = out.data_ptr<float>();
   for (int64_t i = 0; i < R; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < NB * L, "row id ", ip[i], " out of range");
@@ -900,8 +928,8 @@ torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
     const int64_t b = ip[i] / L, lane = ip[i] % L;
     for (int64_t j = 0; j < G; ++j) {
       const uint8_t* c = cp + (b * G + j) * CB;
-      const float s = sp[(b * G + j) * L + lane];
-      const float o = op ? op[(b * G + j) * L + lane] : 0.f;
+      const float s = sp.at((b * G + j) * L + lane);
+      const float o = op.p ? op.at((b * G + j) * L + lane) : 0.f;
       for (int64_t k = 0; k < group; ++k) {
         int32_t q;
         if (bits == 8) q = c[k * L + lane];
@@ -915,7 +943,7 @@ torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
           }
         }
         const float w = ((float)q - zf) * s;
-        yp[i * K + j * group + k] = op ? w - o : w;
+        yp[i * K + j * group + k] = op.p ? w - o : w;
       }
     }
   }
@@ -927,12 +955,12 @@ namespace {
 
 // Group j of block b dequantized and transposed: o[k * ldo + r] = weight of output row 16 b + r, column g j + k.
 template <int BITS, bool OFF>
-inline void group_t(const uint8_t* codes, const float* sc, const float* of, int64_t G, int64_t g, vf zv, int64_t b,
+inline void group_t(const uint8_t* codes, Sc sc, Sc of, int64_t G, int64_t g, vf zv, int64_t b,
                     int64_t j, float* o, int64_t ldo) {
   const uint8_t* cg = codes + (b * G + j) * group_bytes(BITS, g);
   for (int h = 0; h < NV; ++h) {
-    const vf s = loadf(sc + (b * G + j) * L + VL * h);
-    const vf c = OFF ? loadf(of + (b * G + j) * L + VL * h) : zv * s;
+    const vf s = sc.vec((b * G + j) * L + VL * h);
+    const vf c = OFF ? of.vec((b * G + j) * L + VL * h) : zv * s;
     for (int k = 0; k < g; k += 2) {
       vf w0, w1;
       column_pair_weights<BITS>(cg, g, k, h, s, c, zv, w0, w1);
@@ -943,7 +971,7 @@ inline void group_t(const uint8_t* codes, const float* sc, const float* of, int6
 }
 
 template <int BITS, bool OFF>
-void dense_t(const uint8_t* codes, const float* sc, const float* of, int64_t G, int64_t g, float z, int64_t b0,
+void dense_t(const uint8_t* codes, Sc sc, Sc of, int64_t G, int64_t g, float z, int64_t b0,
              int64_t b1, float* out) {
   const int64_t ldo = (b1 - b0) * L;
   const vf zv = bcast(z);
@@ -967,8 +995,8 @@ torch::Tensor qdense_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
               "out: [K, 16 (b1 - b0)] float32 contiguous");
   const bool off = offsets.numel() > 0;
   dispatch(bits, off, [&](auto B, auto O) {
-    dense_t<decltype(B)::value, decltype(O)::value>(codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                                                    off ? offsets.data_ptr<float>() : nullptr, G, group, (float)z,
+    dense_t<decltype(B)::value, decltype(O)::value>(codes.data_ptr<uint8_t>(), sc_of(scales), sc_of(offsets), G,
+                                                    group, (float)z,
                                                     b0, b1, out.data_ptr<float>());
   });
   return out;
@@ -1032,7 +1060,7 @@ void gemm_rows_of(const float* x, int64_t ldx, const float* w, int64_t kc, float
 
 // Columns [k0, k0 + kc) of blocks [b, b + PB) dequantized into w[kc][PR] (blocks past NB are zeros).
 template <int BITS, bool OFF>
-void panel(const uint8_t* codes, const float* sc, const float* of, int64_t NB, int64_t G, int64_t g, float z,
+void panel(const uint8_t* codes, Sc sc, Sc of, int64_t NB, int64_t G, int64_t g, float z,
            int64_t b, int64_t k0, int64_t kc, float* w) {
   const vf zv = bcast(z);
   for (int pb = 0; pb < PB; ++pb) {
@@ -1047,7 +1075,7 @@ void panel(const uint8_t* codes, const float* sc, const float* of, int64_t NB, i
 }
 
 template <int BITS, bool OFF>
-void run_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* sc, const float* of,
+void run_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, Sc sc, Sc of,
               int64_t NB, int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N,
               bool accumulate) {
   const int64_t NP = (NB + PB - 1) / PB;

@@ -4,8 +4,9 @@
 and interleaves 16 output rows per block, so a column of the block is one vector of codes:
 
     codes    # [N / 16, G, CB] uint8   (CB bytes per group: nibble pairs, 5-bit words or planes, or bytes)
-    scales   # [N / 16, G, 16] float32
-    offsets  # [N / 16, G, 16] float32, or an empty tensor
+    scales   # [N / 16, G, 16] float16 for the legacy types (exact: their d and m are float16 in the GGUF),
+             # float32 for the K-quants (d x a 6-bit sub-scale is not a float16)
+    offsets  # [N / 16, G, 16] typed like scales, or an empty tensor
 
 Nothing else is kept: no float32 copy of the matrix. ``matmul`` runs the kernel (any number of rows, 16
 at a time), ``rows(ids)`` dequantizes some rows (an embedding lookup, a trimmed LM head), ``dense()``
@@ -139,6 +140,20 @@ def _pack_groups(v: np.ndarray) -> np.ndarray:  # [N_pad, G] -> [N_pad / 16, G, 
     return np.ascontiguousarray(v.reshape(n // LANES, LANES, groups).transpose(0, 2, 1))
 
 
+HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # d (and m) are float16 in the GGUF block
+
+
+def _scale_dtype(type_name: str, scales: np.ndarray, offsets: np.ndarray | None) -> type:
+    """float16 for a legacy type whose scales (and offsets) are all exact in it, as a GGUF's are (half the bytes a
+    decoding step reads for them; the kernels widen them exactly), else float32."""
+    if type_name not in HALF_SCALE_TYPES:
+        return np.float32
+    for v in (scales, offsets):
+        if v is not None and not np.array_equal(v.astype(np.float16).astype(np.float32), v):
+            return np.float32
+    return np.float16
+
+
 def _joined(ts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(ts)``, or without a copy a view spanning them when they are consecutive contiguous slices
     (along dim 0) of one storage."""
@@ -189,9 +204,10 @@ class QuantWeight:
             scales = np.concatenate([scales, np.zeros((pad, scales.shape[1]), dtype=np.float32)])
             if offsets is not None:
                 offsets = np.concatenate([offsets, np.zeros((pad, offsets.shape[1]), dtype=np.float32)])
+        dtype = _scale_dtype(type_name, scales, offsets)
         return cls(
-            type_name, (n, k), torch.from_numpy(_pack_codes(codes, fmt)), torch.from_numpy(_pack_groups(scales)),
-            torch.from_numpy(_pack_groups(offsets)) if offsets is not None else torch.empty(0),
+            type_name, (n, k), torch.from_numpy(_pack_codes(codes, fmt)), torch.from_numpy(_pack_groups(scales).astype(dtype)),
+            torch.from_numpy(_pack_groups(offsets).astype(dtype)) if offsets is not None else torch.empty(0),
         )
 
     def kernel_args(self) -> tuple:
@@ -281,8 +297,8 @@ class QuantWeight:
                 q |= (((plane[..., None] >> np.arange(LANES, dtype=np.uint16)) & 1) << 4).astype(np.uint8)
         codes = q.transpose(0, 3, 1, 2).reshape(nb * LANES, groups * g)[:n]
 
-        def groups_of(t: torch.Tensor) -> np.ndarray:
-            return t.numpy().transpose(0, 2, 1).reshape(nb * LANES, groups)[:n]
+        def groups_of(t: torch.Tensor) -> np.ndarray:  # float32, as decode gives them (float16 widens exactly)
+            return t.numpy().transpose(0, 2, 1).reshape(nb * LANES, groups)[:n].astype(np.float32)
 
         return codes, groups_of(self.scales), groups_of(self.offsets) if self.offsets.numel() else None
 
@@ -296,10 +312,11 @@ class QuantWeight:
         return out
 
     def joins(self, other: QuantWeight) -> bool:
-        """Whether ``concat`` can fuse ``other`` after this weight: one type, one K, one numerics mode and
-        row counts that are multiples of 16 (whole packed blocks)."""
+        """Whether ``concat`` can fuse ``other`` after this weight: one type, one K, one numerics mode, one scale
+        dtype and row counts that are multiples of 16 (whole packed blocks)."""
         return (other.type_name == self.type_name and other.shape[1] == self.shape[1] and other.int8 == self.int8
-                and self.shape[0] % LANES == 0 and other.shape[0] % LANES == 0)
+                and other.scales.dtype == self.scales.dtype and self.shape[0] % LANES == 0
+                and other.shape[0] % LANES == 0)
 
     @staticmethod
     def concat(parts: list[QuantWeight]) -> QuantWeight:
@@ -309,7 +326,8 @@ class QuantWeight:
         view of it: no copy at all."""
         first = parts[0]
         if not all(first.joins(p) for p in parts):
-            raise ValueError("concat needs one type, one K, one numerics mode and row counts that are multiples of 16")
+            raise ValueError("concat needs one type, one K, one numerics mode, one scale dtype and row counts that are "
+                             "multiples of 16")
         fused = QuantWeight(first.type_name, (sum(p.shape[0] for p in parts), first.shape[1]),
                             _joined([p.codes for p in parts]), _joined([p.scales for p in parts]),
                             _joined([p.offsets for p in parts]) if first.offsets.numel() else torch.empty(0),
