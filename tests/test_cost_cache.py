@@ -153,3 +153,18 @@ def test_a_head_replaced_in_the_same_directory_is_calibrated_again(tmp_path):
     assert len(sizes) == 1 and keys[0][0] != keys[1][0] and keys[0][1]["head"]["id"] != keys[1][1]["head"]["id"]
     again = load_head(tmp_path / "head", ss.split)
     assert tuning_key(ss.split, again) == keys[1][0]  # unchanged head, unchanged key
+
+
+def test_an_entry_with_a_shallow_pass_dearer_than_a_step_is_measured_again(counted):
+    """Costs timed in a busy moment can pass the plain-step check (measured on this CPU: a tiny model's shallow
+    pass cached at 40 ms against a 0.2 ms step); a shallow pass dearer than a whole step is measured again."""
+    calls, step = counted
+    load()
+    path = entries()[0]
+    data = json.loads(path.read_text())
+    data["costs"]["t_shallow"] = 10 * data["check_s"]
+    path.write_text(json.dumps(data))
+    again = load()
+    assert calls == [2, 2] and again.cost_cache.log[-1] == "2: measured (no entry)"
+    assert again.cost_cache.log[0].startswith("2: implausible")
+    assert load().cost_cache.log == ["2: cached"]  # the new entry is sound
