@@ -153,16 +153,15 @@ class CostCache:
         if not refresh and mem in self._memory:
             return self._memory[mem]
         found = None if refresh else read_entry(key)
-        if found is not None and found[0].t_shallow > CHECK_FACTOR * found[1]:
-            # k of the L layers dearer than a whole step: timed in a busy moment (OpenMP threads waiting for time
-            # slices), and the step check alone can pass; such costs switch drafting off, so measure them again
-            self.log.append(f"{depth}: implausible (shallow pass {found[0].t_shallow:.4f} s, step {found[1]:.4f} s)")
-            found = None
-        if found is not None and self._check(found[1]):
+        # k of the L layers dearer than a whole step: timed in a busy moment (OpenMP threads waiting for time slices);
+        # the step check alone can pass such costs, and they switch drafting off, so they are measured again
+        implausible = found is not None and found[0].t_shallow > CHECK_FACTOR * found[1]
+        if found is not None and not implausible and self._check(found[1]):
             self.log.append(f"{depth}: cached")
             self._memory[mem] = found[0]
             return found[0]
         why = "refresh" if refresh else "no entry" if found is None else \
+            f"implausible: shallow pass {found[0].t_shallow:.4f} s, step {found[1]:.4f} s" if implausible else \
             f"plain step {self._step:.4f} s, cached {found[1]:.4f} s"
         costs = measure_draft_costs(self.split, head, exit_layer=depth)
         if self._step is None or found is not None:  # time the step beside these costs (again after a failed check)

@@ -98,9 +98,8 @@ inline vi widen(const uint8_t* p) {  // VL bytes -> VL int32 (vpmovzxbd; GCC's g
 struct Sc {
   const void* p = nullptr;
   bool half = false;
-  Sc operator+(int64_t i) const {
-    return {p ? (const void*)((const char*)p + i * (half ? 2 : 4)) : nullptr, half};
-  }
+  const char* addr(int64_t i) const { return (const char*)p + i * (half ? 2 : 4); }  // of value i
+  Sc operator+(int64_t i) const { return {p ? addr(i) : nullptr, half}; }
   vf vec(int64_t i) const {  // VL values from value i
     if (half) {
 #if defined(__AVX512F__)
@@ -112,7 +111,6 @@ struct Sc {
     return loadf((const float*)p + i);
   }
   float at(int64_t i) const { return half ? _cvtsh_ss(((const uint16_t*)p)[i]) : ((const float*)p)[i]; }
-  const char* addr(int64_t i) const { return (const char*)p + i * (half ? 2 : 4); }
 };
 
 #if defined(__AVX512F__)

@@ -206,8 +206,8 @@ class QuantWeight:
                 offsets = np.concatenate([offsets, np.zeros((pad, offsets.shape[1]), dtype=np.float32)])
         dtype = _scale_dtype(type_name, scales, offsets)
         return cls(
-            type_name, (n, k), torch.from_numpy(_pack_codes(codes, fmt)), torch.from_numpy(_pack_groups(scales).astype(dtype)),
-            torch.from_numpy(_pack_groups(offsets).astype(dtype)) if offsets is not None else torch.empty(0),
+            type_name, (n, k), torch.from_numpy(_pack_codes(codes, fmt)), torch.from_numpy(_pack_groups(scales).astype(dtype, copy=False)),
+            torch.from_numpy(_pack_groups(offsets).astype(dtype, copy=False)) if offsets is not None else torch.empty(0),
         )
 
     def kernel_args(self) -> tuple:
