@@ -4,6 +4,7 @@ never measure. No timing is asserted: the check's plain step is replaced by a ch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -168,3 +169,25 @@ def test_an_entry_with_a_shallow_pass_dearer_than_a_step_is_measured_again(count
     assert calls == [2, 2] and len(again.cost_cache.log) == 1
     assert again.cost_cache.log[0].startswith("2: measured (implausible: shallow pass ")
     assert load().cost_cache.log == ["2: cached"]  # the new entry is sound
+
+
+def test_costs_measured_in_a_busy_moment_are_measured_once_more(counted, monkeypatch):
+    """A fresh measurement whose shallow pass came out dearer than a whole step (a busy moment) is taken again,
+    once, with the step timed beside it; the second one is what is cached."""
+    calls, step = counted
+    real = cost_cache.measure_draft_costs
+    results: list[float] = []
+
+    def busy_first(split, head, **kw):
+        costs = real(split, head, **kw)
+        if not results:  # the first measurement: its shallow pass as if every thread had waited for a time slice
+            costs = dataclasses.replace(costs, t_shallow=10 * step["s"])
+        results.append(costs.t_shallow)
+        return costs
+
+    monkeypatch.setattr(cost_cache, "measure_draft_costs", busy_first)
+    ss = load()
+    assert len(results) == 2 and results[0] == 10 * step["s"] and results[1] <= step["s"]
+    assert ss.cost_cache.log == ["2: measured (no entry; implausible, measured again)"]
+    assert ss.draft_costs(ss.head).t_shallow == results[1]
+    assert load().cost_cache.log == ["2: cached"]  # the second measurement was written
