@@ -29,14 +29,16 @@ def own_cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts measure_draft_costs calls; the check's plain step is ``step["s"]`` seconds (no timing)."""
+    """Counts measure_draft_costs calls; the check's plain step is ``step["s"]`` seconds (no timing), and a measured
+    shallow pass is capped at that step, so a busy machine cannot make a measurement implausible (measured again)."""
     calls: list[int] = []
     step = {"s": 0.01}
     real = cost_cache.measure_draft_costs
 
     def measure(split, head, **kw):
         calls.append(kw.get("exit_layer"))
-        return real(split, head, **kw)
+        costs = real(split, head, **kw)
+        return dataclasses.replace(costs, t_shallow=min(costs.t_shallow, step["s"]))
 
     monkeypatch.setattr(cost_cache, "measure_draft_costs", measure)
     monkeypatch.setattr(cost_cache, "plain_step", lambda split: step["s"])
