@@ -36,9 +36,11 @@ from selfspec.models.split import SplitModel
 from selfspec.timing import time_call
 
 
-def layer_call(split: SplitModel, start: int, end: int, n: int, context: int, lm_head: bool = False):
-    """A call running ``n`` new tokens through layers [start, end) (+ final norm and LM head) over a cache
-    already holding ``context`` tokens, rolling the cache back after itself (so it can be timed again and again)."""
+def layer_call(split: SplitModel, start: int, end: int, n: int, context: int, lm_head: bool = False,
+               greedy: bool = False):
+    """A call running ``n`` new tokens through layers [start, end) (+ final norm and LM head: the logits, or with
+    ``greedy`` each row's argmax as a greedy verification takes it, ``split.greedy_ids``) over a cache already
+    holding ``context`` tokens, rolling the cache back after itself (so it can be timed again and again)."""
     cache = split.new_cache(context + n)
     g = torch.Generator().manual_seed(0)
     ctx_ids = torch.randint(0, split.vocab_size, (1, context), generator=g, device=split.device)
@@ -53,7 +55,7 @@ def layer_call(split: SplitModel, start: int, end: int, n: int, context: int, lm
         with torch.inference_mode():
             h = split.run_layers(h0, start, end, pos, cache)
             if lm_head:
-                split.logits(h)
+                split.greedy_ids(h) if greedy else split.logits(h)
         cache.truncate(context)
         for i in range(start):
             cache.lengths[i] = context + n
@@ -71,12 +73,12 @@ def time_layers(split: SplitModel, start: int, end: int, n: int, context: int, r
 
 @torch.inference_mode()
 def time_blocks(split: SplitModel, start: int, end: int, sizes: tuple[int, ...], context: int, reps: int = 6,
-                lm_head: bool = False) -> dict[int, float]:
+                lm_head: bool = False, greedy: bool = False) -> dict[int, float]:
     """``time_layers`` for every block size in ``sizes``, their timings interleaved (each pass times every size
     once): a shared machine's slow spells, seconds long, then fall on all sizes alike instead of on one
     (measured sequentially on an AMD Zen 3, Qwen2.5-0.5B's t(4) / t(1) came out 1.6 to 2.5 from one run to the
     next). The lower quartile per size, as ``time_call``."""
-    calls = {n: layer_call(split, start, end, n, context, lm_head) for n in sizes}
+    calls = {n: layer_call(split, start, end, n, context, lm_head, greedy) for n in sizes}
     for call in calls.values():  # warm-up
         call()
     times: dict[int, list[float]] = {n: [] for n in sizes}
@@ -199,9 +201,11 @@ def monotone(table: dict[int, float]) -> dict[int, float]:
 def measure_draft_costs(split: SplitModel, head, context: int = 256, block_sizes: tuple[int, ...] = (1, 2, 3, 4, 8, 16),
                         reps: int = 8, exit_layer: int | None = None) -> DraftCosts:
     """Measure what the economics need for ``head`` at its exit layer, or at ``exit_layer`` (one of a nested
-    head's depths), in a second or two."""
+    head's depths), in a second or two. A block's deep range ends in a greedy verification's argmax
+    (``split.greedy_ids``: with a quantized LM head, 3-8 rows cost less than their logits); sampling's blocks
+    compute the logits, so for sampling these costs are a little low."""
     k, L = exit_layer or head.exit_layer, split.num_layers
-    deep = monotone(time_blocks(split, k, L, block_sizes, context, reps, lm_head=True))
+    deep = monotone(time_blocks(split, k, L, block_sizes, context, reps, lm_head=True, greedy=True))
     shallow = monotone(time_blocks(split, 0, k, block_sizes, context, reps))
     costs = DraftCosts(k, shallow[1], time_head(head, split, reps), deep, shallow)
     trim_heap()  # the timed forwards' caches and activations, freed: their pages back to the system

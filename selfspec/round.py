@@ -77,10 +77,8 @@ def verify_chain(gen: GenerateConfig, drafts: list[int], draft_probs: torch.Tens
     """The target's verdict on a chain: greedy (longest agreeing prefix) or speculative sampling (exactly the
     target's distribution). ``draft_probs`` ``# [g, vocab]`` (None: greedy drafts, one-hot under sampling),
     ``target_logits`` ``# [1, g + 1, vocab]``. -> (accepted m, recovered or bonus token)."""
-    if gen.greedy:  # the longest prefix equal to the target's argmax, then its argmax (greedy_verify, batch 1)
-        target_ids = target_logits[0].argmax(-1).tolist()  # [g + 1]
-        m = next((i for i, t in enumerate(drafts) if t != target_ids[i]), len(drafts))
-        return m, target_ids[m]
+    if gen.greedy:
+        return greedy_chain(drafts, target_logits[0].argmax(-1).tolist())
     d = torch.tensor([drafts], dtype=torch.long, device=target_logits.device)  # [1, g]
     target_probs = logits_to_probs(target_logits, gen.temperature, gen.top_k, gen.top_p)
     if draft_probs is not None:
@@ -89,6 +87,13 @@ def verify_chain(gen: GenerateConfig, drafts: list[int], draft_probs: torch.Tens
         q = F.one_hot(d, target_logits.shape[-1]).to(target_probs.dtype)
     res = speculative_verify(d, q, target_probs, generator)
     return int(res.num_accepted[0]), int(res.next_token[0])
+
+
+def greedy_chain(drafts: list[int], target_ids: list[int]) -> tuple[int, int]:
+    """Greedy verdict on a chain from the target's argmax after each row (``target_ids``, g + 1 of them): the
+    longest prefix equal to it, then its argmax (greedy_verify, batch 1). -> (accepted m, next token)."""
+    m = next((i for i, t in enumerate(drafts) if t != target_ids[i]), len(drafts))
+    return m, target_ids[m]
 
 
 def verify_tree(gen: GenerateConfig, block: DraftBlock, target_logits: torch.Tensor,

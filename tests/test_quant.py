@@ -291,3 +291,47 @@ def test_k_quant_scales_stay_float32():
     """d x a 6-bit sub-scale is not a float16: the K-quants keep float32 scales (exactness first)."""
     for type_name in K_QUANTS:
         assert QuantWeight.from_gguf(random_tensor(type_name, 16, 256), type_name, 256).scales.dtype == torch.float32
+
+
+@pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
+def test_screened_argmax_is_the_exact_logits_argmax(type_name):
+    """qargmax (the LM head's screen for greedy verification) gives, for 1-16 rows, torch.argmax of qlinear's exact
+    logits: duplicated rows tie exactly (the first index wins), and every candidate block counts."""
+    from selfspec.quant.screen import ScreenedArgmax
+
+    n, k = 333, 512
+    raw = random_tensor(type_name, n, k, seed=11)
+    top = int(QuantWeight.from_gguf(raw, type_name, k).dense()[: n - 1].norm(dim=1).argmax())  # the longest row
+    raw[n - 1] = raw[top]  # ... twice: x = that row makes them the two largest logits (Cauchy-Schwarz), tied exactly
+    qw = QuantWeight.from_gguf(raw, type_name, k)
+    screen = ScreenedArgmax(qw)
+    gen = torch.Generator().manual_seed(2)
+    for m in range(1, 17):
+        x = torch.randn(m, k, generator=gen) * torch.randn(1, k, generator=gen).exp()  # uneven column scales
+        x[0] = qw.dense()[top]
+        logits = torch.empty(m, n)
+        qw.matmul(x, logits)
+        got = screen.argmax(x)
+        assert got is not None and torch.equal(got, logits.argmax(-1)), m
+        assert got[0] == top and logits[0, top] == logits[0, n - 1]  # the first of the tied pair
+    assert 0 < screen.candidate_blocks < screen.calls * qw.codes.shape[0]  # it screened: not every block computed
+
+
+def test_screened_argmax_skips_padding_rows_and_refuses_non_finite_input():
+    """With every logit negative, the padding rows past N (weight 0, logit 0) must not win; a non-finite activation
+    gives None (the caller computes the logits)."""
+    from selfspec.quant.screen import ScreenedArgmax
+
+    n, k = 37, 64  # 3 blocks of 16, the last with 11 padding rows
+    rng = np.random.default_rng(0)
+    codes = rng.integers(1, 16, (n, k), dtype=np.uint8)  # Q4_1: w = d q + m > 0
+    scales = np.full((n, k // 32), 0.01, dtype=np.float32)
+    qw = QuantWeight.from_codes("Q4_1", codes, scales, np.full((n, k // 32), -0.001, dtype=np.float32))
+    x = -torch.rand(4, k) - 0.1  # every logit < 0
+    logits = torch.empty(4, n)
+    qw.matmul(x, logits)
+    assert (logits < 0).all()
+    got = ScreenedArgmax(qw).argmax(x)
+    assert got is not None and torch.equal(got, logits.argmax(-1)) and (got < n).all()
+    x[2, 5] = float("nan")
+    assert ScreenedArgmax(qw).argmax(x) is None

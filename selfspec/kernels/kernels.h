@@ -13,6 +13,8 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
                          int64_t bits, int64_t group, double z, torch::Tensor bias, torch::Tensor out,
                          bool accumulate);
 bool qlinear_i8_vnni();
+int64_t qargmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
+                int64_t group, double z, int64_t n, torch::Tensor ebound, torch::Tensor out);
 bool qcodes5_words();
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
                     int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate);

@@ -297,6 +297,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "y = x @ W^T (+ bias) (+= into out) with a block-quantized packed weight", nogil);
   m.def("qlinear_i8", &qlinear_i8, "qlinear with activations rounded to 8 bits per group (int8 numerics)", nogil);
   m.def("qgemm", &qgemm, "qlinear for many rows (a prefill): panels of the weight dequantized once", nogil);
+  m.def("qargmax", &qargmax, "each row's argmax of x @ W^T, screened by the int8 kernel (greedy verification)", nogil);
   m.def("qlinear_i8_vnni", &qlinear_i8_vnni, "whether qlinear_i8 uses AVX-512 VNNI");
   m.def("qcodes5_words", &qcodes5_words, "whether this build packs 5-bit codes as words (else nibbles and planes)");
   m.def("qdequant", &qdequant, "rows of a block-quantized packed weight as float32", nogil);

@@ -38,6 +38,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -175,10 +176,13 @@ inline int64_t group_bytes(int bits, int64_t g) {
   return bits == 8 ? g * L : bits == 5 ? g * 10 : g * 8;
 }
 
-// Group j + AHEAD's codes, scales (and offsets) on their way to L1 while group j is computed: one row's kernel
-// streams them, and the hardware prefetcher alone left it short of the bandwidth (A/B on a Zen 3, 2 threads: Q8_0
-// at one row +13%, the int8 mode's 4/5-bit codes +5-12% at 1-2 rows, the rest level).
-constexpr int AHEAD = 6;
+// Group j + AHEAD's codes, scales (and offsets) on their way to L1 while group j is computed (past the block's last
+// group: the next block's first, which this thread computes next): one row's kernel streams them, and the hardware
+// prefetcher alone left it short of the bandwidth (A/B on a Zen 3, 2 threads, 6 groups ahead: Q8_0 at one row +13%,
+// the int8 mode's 4/5-bit codes +5-12% at 1-2 rows, the rest level). 32 groups ahead (8 KB of 4-bit codes) against
+// 6, A/B in one process on a Zen 5, 2 threads, Qwen2.5-0.5B's whole step: 1 row 11.58 -> 11.13 ms, 2 rows 12.90 ->
+// 12.37, 4 rows 16.92 -> 15.85 (16 and 64 groups in between); SmolLM2-135M 4.16 -> 4.03 ms at one row, level at 2-8.
+constexpr int64_t AHEAD = 32;
 template <bool OFF>
 inline void prefetch_group(const uint8_t* codes, int64_t CB, Sc sc, Sc of, int64_t j) {
   for (int64_t o = 0; o < CB; o += 64) _mm_prefetch((const char*)(codes + (j + AHEAD) * CB + o), _MM_HINT_T0);
@@ -429,6 +433,23 @@ inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, c
     }
 }
 
+// mc <= MCMAX x-rows against one block: the tile run (qlinear) and qargmax both take, so a row's arithmetic is the
+// same in both (its tile's size decides its partial sums).
+template <int BITS, bool OFF>
+inline void tile_rows(int64_t mc, const float* xm, int64_t K, int64_t G, int64_t g, const uint8_t* cb, Sc sb, Sc ob,
+                      const float* xs, float z, float* res) {
+  switch (mc) {
+    case 1: tile<BITS, OFF, 1>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+    case 2: tile<BITS, OFF, 2>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+    case 3: tile<BITS, OFF, 3>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+    case 4: tile<BITS, OFF, 4>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+    case 5: tile<BITS, OFF, 5>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+    case 6: tile<BITS, OFF, 6>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+    case 7: tile<BITS, OFF, 7>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+    default: tile<BITS, OFF, MCMAX>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
+  }
+}
+
 // res[mc][16] (+ bias) into y's rows (stride ldy), the first ``rows`` columns of the block, or added to them.
 inline void store_tile(const float* res, int64_t mc, float* y, int64_t ldy, int64_t rows, const float* bias,
                        bool accumulate) {
@@ -481,16 +502,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Sc sc, Sc o
       const int64_t mc = std::min<int64_t>(left, MCMAX);
       const float* xm = x + m0 * K;
       const float* xs = xsum.empty() ? nullptr : xsum.data() + m0 * G;
-      switch (mc) {
-        case 1: tile<BITS, OFF, 1>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
-        case 2: tile<BITS, OFF, 2>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
-        case 3: tile<BITS, OFF, 3>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
-        case 4: tile<BITS, OFF, 4>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
-        case 5: tile<BITS, OFF, 5>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
-        case 6: tile<BITS, OFF, 6>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
-        case 7: tile<BITS, OFF, 7>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
-        default: tile<BITS, OFF, MCMAX>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
-      }
+      tile_rows<BITS, OFF>(mc, xm, K, G, g, cb, sb, ob, xs, z, res);
       store_tile(res, mc, y + m0 * ldy + b * L, ldy, rows, bias ? bias + b * L : nullptr, accumulate);
       m0 += mc;
     }
@@ -829,35 +841,98 @@ void tile_i8(const int8_t* __restrict qx, const int8_t* __restrict xp, const flo
     for (int h = 0; h < NV; ++h) std::memcpy(res + m * L + VL * h, &acc[m][h], sizeof(vf));
 }
 
+// x-rows per int8 tile: 8 with VNNI (16 integer sums and two code registers fit in 32 registers; at 5-8 rows the
+// weights are then decoded once instead of twice), 4 on AVX2 (16 registers). Integer sums are exact and each row's
+// float scaling is the same in any tile, so the tile size changes no result.
+constexpr int64_t MC_I8 = VNNI ? 8 : 4;
+
+// Rows [m0, m0 + mc) of the rounded activations (mc <= MC_I8) against block b: res[mc][16].
+template <int BITS, bool OFF>
+inline void tile_i8_rows(const int8_t* qx, const int8_t* xp, const float* dx, const int32_t* sx, int64_t m0,
+                         int64_t mc, int64_t K, int64_t G, int64_t g, const uint8_t* codes, Sc sc, Sc of, int64_t b,
+                         float z, float* res) {
+  const int64_t CB = group_bytes(BITS, g);
+  const int8_t* q = qx + m0 * K;
+  const int8_t* p = PAIRS ? xp + m0 * K * pair_bytes(BITS) : nullptr;
+  const float* d = dx + m0 * G;
+  const int32_t* sm = sx + m0 * G;
+  const uint8_t* cb = codes + b * G * CB;
+  const Sc sb = sc + b * G * L;
+  const Sc ob = OFF ? of + b * G * L : Sc{};
+  switch (mc) {
+    case 1: tile_i8<BITS, OFF, 1>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+    case 2: tile_i8<BITS, OFF, 2>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+    case 3: tile_i8<BITS, OFF, 3>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+    case 4: tile_i8<BITS, OFF, 4>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__BMI2__)
+    case 5: tile_i8<BITS, OFF, 5>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+    case 6: tile_i8<BITS, OFF, 6>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+    case 7: tile_i8<BITS, OFF, 7>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+    default: tile_i8<BITS, OFF, 8>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+#else
+    default: tile_i8<BITS, OFF, 4>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
+#endif
+  }
+}
+
 template <int BITS, bool OFF>
 void run_i8(const int8_t* qx, const int8_t* xp, const float* dx, const int32_t* sx, int64_t M, int64_t K,
             const uint8_t* codes,
             Sc sc, Sc of, int64_t NB, int64_t G, int64_t g, float z, const float* bias, float* y,
             int64_t ldy, int64_t N, bool accumulate) {
-  const int64_t CB = group_bytes(BITS, g);
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < NB; ++b) {
-    float res[4 * L];
+    float res[MC_I8 * L];
     const int64_t rows = std::min<int64_t>(L, N - b * L);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int64_t mc = std::min<int64_t>(4, M - m0);
-      const int8_t* q = qx + m0 * K;
-      const int8_t* p = PAIRS ? xp + m0 * K * pair_bytes(BITS) : nullptr;
-      const float* d = dx + m0 * G;
-      const int32_t* sm = sx + m0 * G;
-      const uint8_t* cb = codes + b * G * CB;
-      const Sc sb = sc + b * G * L;
-      const Sc ob = OFF ? of + b * G * L : Sc{};
-      switch (mc) {
-        case 1: tile_i8<BITS, OFF, 1>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
-        case 2: tile_i8<BITS, OFF, 2>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
-        case 3: tile_i8<BITS, OFF, 3>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
-        default: tile_i8<BITS, OFF, 4>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
-      }
+    for (int64_t m0 = 0; m0 < M; m0 += MC_I8) {
+      const int64_t mc = std::min<int64_t>(MC_I8, M - m0);
+      tile_i8_rows<BITS, OFF>(qx, xp, dx, sx, m0, mc, K, G, g, codes, sc, of, b, z, res);
       store_tile(res, mc, y + m0 * ldy + b * L, ldy, rows, bias ? bias + b * L : nullptr, accumulate);
     }
   }
 }
+
+// x [M, K] rounded to 8 bits per group of ``group`` columns (d = max|x| / 127, x / d to nearest, ties to even):
+// qx [M, K], dx and the code sums sx [M, G], and on AVX2 the activation pairs (xpairs). ``finite``: every x was.
+struct Rounded {
+  std::unique_ptr<int8_t[]> qx, pairs;
+  std::vector<float> dx;
+  std::vector<int32_t> sx;
+  bool finite = true;
+  Rounded(const float* xp, int64_t M, int64_t K, int64_t group, int64_t bits)
+      : qx(new int8_t[M * K]), dx(M * K / group), sx(M * K / group) {  // qx uninitialized: every byte is written
+    const int64_t MG = M * K / group;
+    int bad = 0;
+    // Groups are independent: a prefill's rows are rounded on every thread (one row is not worth waking them).
+#pragma omp parallel for schedule(static) reduction(| : bad) if (M * K >= ROUND_PARALLEL)
+    for (int64_t i = 0; i < MG; ++i) {  // row m = i / G, group j = i % G
+      const float* xg = xp + i * group;
+      float amax = 0.f;
+      for (int64_t k = 0; k < group; ++k) {
+        const float v = std::fabs(xg[k]);
+        amax = std::max(amax, v);
+        bad |= !(v <= FLT_MAX);  // NaN or infinite (std::max drops a NaN)
+      }
+      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+      int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = 0; k < group; ++k) {  // round to nearest, ties to even (vroundps / cvtps2dq)
+        const int32_t q = (int32_t)__builtin_nearbyintf(xg[k] * id);
+        qx[i * group + k] = (int8_t)q;
+        sum += q;
+      }
+      dx[i] = d;
+      sx[i] = sum;
+    }
+    finite = !bad;
+#if !defined(__AVX512F__) && defined(__AVX2__)
+    pairs.reset(new int8_t[M * K * pair_bytes(bits)]);
+    xpairs(qx.get(), M, K, bits, pairs.get());
+#else
+    (void)bits;
+#endif
+  }
+};
 
 }  // namespace
 
@@ -866,34 +941,9 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
                          int64_t bits, int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
   const LinearArgs a = linear_args(x, codes, scales, offsets, bits, group, z, bias, out);
   const int64_t M = a.M, K = a.K, G = a.G;
-  std::unique_ptr<int8_t[]> qx(new int8_t[M * K]);  // uninitialized: every byte is written below
-  std::vector<float> dx(M * G);
-  std::vector<int32_t> sx(M * G);
-  const float* xp = x.data_ptr<float>();
-  // Groups are independent: a prefill's rows are rounded on every thread (one row is not worth waking them).
-#pragma omp parallel for schedule(static) if (M * K >= ROUND_PARALLEL)
-  for (int64_t i = 0; i < M * G; ++i) {  // row m = i / G, group j = i % G
-    const float* xg = xp + i * group;
-    float amax = 0.f;
-    for (int64_t k = 0; k < group; ++k) amax = std::max(amax, std::fabs(xg[k]));
-    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t k = 0; k < group; ++k) {  // round to nearest, ties to even (vroundps / cvtps2dq)
-      const int32_t q = (int32_t)__builtin_nearbyintf(xg[k] * id);
-      qx[i * group + k] = (int8_t)q;
-      sum += q;
-    }
-    dx[i] = d;
-    sx[i] = sum;
-  }
-  std::unique_ptr<int8_t[]> pairs;
-#if !defined(__AVX512F__) && defined(__AVX2__)
-  pairs.reset(new int8_t[M * K * pair_bytes(bits)]);
-  xpairs(qx.get(), M, K, bits, pairs.get());
-#endif
+  const Rounded r(x.data_ptr<float>(), M, K, group, bits);
   dispatch(bits, a.off, [&](auto B, auto O) {
-    run_i8<decltype(B)::value, decltype(O)::value>(qx.get(), pairs.get(), dx.data(), sx.data(), M, K, a.codes, a.scales,
+    run_i8<decltype(B)::value, decltype(O)::value>(r.qx.get(), r.pairs.get(), r.dx.data(), r.sx.data(), M, K, a.codes, a.scales,
                                                    a.offsets, a.NB, G, group, a.z, a.bias, a.y, a.ldy, a.N,
                                                    accumulate);
   });
@@ -901,6 +951,140 @@ torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
 }
 
 bool qlinear_i8_vnni() { return VNNI; }
+
+// ---- greedy verification: the argmax of x @ W^T, screened by the int8 kernel (qargmax) ----------------------------
+// A greedy verification needs only each row's argmax of the LM head's logits, not the logits. The int8 kernel
+// (above) computes them approximately at the cost of one read of the weight; its error is bounded per block of 16
+// output rows, so only the blocks whose bound can reach the best row need the exact kernel. Per x-row m and block b:
+//     |approx - exact| <= B[m][b] = sum_j E[b][j] * dx[m][j]
+// where dx is the group's rounding step (max|x| / 127) and E (``ebound``, selfspec/kernels/screen.py) the block's
+// largest sum_k |w_k| / 2 in group j (rounding moves each x by at most dx / 2), plus room for the float32 rounding of
+// both kernels. The true argmax r* has exact >= exact of every row, so approx[r*] + B >= max_r (approx[r] - B) =: lo:
+// every block whose best approx + B reaches lo is a candidate, and no other block can hold r*. The candidates go
+// through the exact kernel with the same x-row tiles as qlinear's (run), so their logits are bit for bit qlinear's,
+// and the first maximum among them is torch.argmax of qlinear's output. Worked example (one x-row, three blocks
+// with best approx 9.0, 7.5, 3.0 and bounds 1.0, 1.0, 1.0): lo = 8.0; blocks 0 (10.0 >= 8) and 1 (8.5 >= 8) are
+// computed exactly, block 2 (4.0 < 8) is not.
+// out [M] int64: each row's argmax, or -1 for every row when an activation is not finite (the caller computes the
+// logits instead). Returns the number of candidate blocks.
+int64_t qargmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
+                int64_t group, double z, int64_t n, torch::Tensor ebound, torch::Tensor out) {
+  check_packed(codes, scales, offsets, bits, group);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
+  TORCH_CHECK(x.size(1) == codes.size(1) * group, "x has ", x.size(1), " columns, the weight ", codes.size(1) * group);
+  TORCH_CHECK(n <= codes.size(0) * L && n > (codes.size(0) - 1) * L, "n: ", n, " output rows for ", codes.size(0), " blocks");
+  TORCH_CHECK(bits != 8 || z == 128.0, "8-bit codes must have zero point 128 (Q8_0, Q6_K), got ", z);
+  struct {
+    const uint8_t* codes;
+    Sc scales, offsets;
+    float z;
+    bool off;
+  } const a{codes.data_ptr<uint8_t>(), sc_of(scales), sc_of(offsets), (float)z, offsets.numel() > 0};
+  const int64_t M = x.size(0), K = x.size(1), G = codes.size(1), NB = codes.size(0), N = n;
+  TORCH_CHECK(M >= 1 && M <= 16, "qargmax takes 1-16 rows of x, got ", M);
+  TORCH_CHECK(ebound.dim() == 2 && ebound.size(0) == NB && ebound.size(1) == G && ebound.is_contiguous() &&
+                  ebound.scalar_type() == torch::kFloat,
+              "ebound: [N/16, G] float32");
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == M && out.scalar_type() == torch::kLong, "out: [M] int64");
+  int64_t* ids = out.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  const Rounded r(xp, M, K, group, bits);
+  if (!r.finite) {
+    for (int64_t m = 0; m < M; ++m) ids[m] = -1;
+    return 0;
+  }
+  const float* E = ebound.data_ptr<float>();
+  std::vector<float> best(M * NB), bound(M * NB);  // [M, NB]: a block's best approximate logit, its error bound
+  dispatch(bits, a.off, [&](auto B, auto O) {
+    constexpr int BB = decltype(B)::value;
+    constexpr bool OO = decltype(O)::value;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < NB; ++b) {
+      float res[MC_I8 * L];
+      const int64_t rows = std::min<int64_t>(L, N - b * L);
+      for (int64_t m0 = 0; m0 < M; m0 += MC_I8) {
+        const int64_t mc = std::min<int64_t>(MC_I8, M - m0);
+        tile_i8_rows<BB, OO>(r.qx.get(), r.pairs.get(), r.dx.data(), r.sx.data(), m0, mc, K, G, group, a.codes,
+                             a.scales, a.offsets, b, a.z, res);
+        for (int64_t m = m0; m < m0 + mc; ++m) {
+          float v = res[(m - m0) * L];
+          for (int64_t i = 1; i < rows; ++i) v = std::max(v, res[(m - m0) * L + i]);
+          float e = 0.f;
+          for (int64_t j = 0; j < G; ++j) e += E[b * G + j] * r.dx[m * G + j];
+          best[m * NB + b] = v;
+          bound[m * NB + b] = e;
+        }
+      }
+    }
+  });
+  // lo per row, then the candidate blocks. The comparisons get a margin of 2^-20 of the largest magnitude in play,
+  // for the rounding of the sums and differences themselves (bounds are >= 0; a NaN best counts as a candidate).
+  std::vector<char> cand(NB, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* bm = best.data() + m * NB;
+    const float* bd = bound.data() + m * NB;
+    float lo = -INFINITY, mag = 0.f;
+    for (int64_t b = 0; b < NB; ++b) {
+      lo = std::max(lo, bm[b] - bd[b]);
+      mag = std::max(mag, std::fabs(bm[b]) + bd[b]);
+    }
+    const float cut = lo - mag * 0x1p-20f;
+    for (int64_t b = 0; b < NB; ++b)
+      if (!(bm[b] + bd[b] < cut)) cand[b] = 1;
+  }
+  std::vector<int64_t> blocks;
+  for (int64_t b = 0; b < NB; ++b)
+    if (cand[b]) blocks.push_back(b);
+  const int64_t C = (int64_t)blocks.size();
+  std::vector<float> exact(C * M * L);  // [C, M, 16]: the candidates' exact logits, as run (qlinear) computes them
+  dispatch(bits, a.off, [&](auto B, auto O) {
+    constexpr int BB = decltype(B)::value;
+    constexpr bool OO = decltype(O)::value;
+    const int64_t CB = group_bytes(BB, group);
+    std::vector<float> xsum;  // as run: the offset types' group sums of x
+    if constexpr (OO && LOOKUP<BB, OO>) {
+      xsum.resize(M * G);
+      for (int64_t i = 0; i < M * G; ++i) {
+        float t = 0.f;
+        for (int64_t k = 0; k < group; ++k) t += xp[i * group + k];
+        xsum[i] = t;
+      }
+    }
+#pragma omp parallel for schedule(static) if (C > 8)
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t b = blocks[c];
+      float res[MCMAX * L];
+      const uint8_t* cb = a.codes + b * G * CB;
+      const Sc sb = a.scales + b * G * L;
+      const Sc ob = OO ? a.offsets + b * G * L : Sc{};
+      for (int64_t m0 = 0; m0 < M;) {
+        const int64_t mc = std::min<int64_t>(M - m0, MCMAX);
+        const float* xm = xp + m0 * K;
+        const float* xs = xsum.empty() ? nullptr : xsum.data() + m0 * G;
+        tile_rows<BB, OO>(mc, xm, K, G, group, cb, sb, ob, xs, a.z, res);  // as run: qlinear's bits
+        std::memcpy(exact.data() + (c * M + m0) * L, res, mc * L * sizeof(float));
+        m0 += mc;
+      }
+    }
+  });
+  // The first maximum in row order (torch.argmax's choice among equal values; a NaN is a maximum, as there).
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t arg = -1;
+    float v = 0.f;
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t b = blocks[c], rows = std::min<int64_t>(L, N - b * L);
+      for (int64_t i = 0; i < rows; ++i) {
+        const float e = exact[(c * M + m) * L + i];
+        if (arg < 0 || (!std::isnan(v) && (e > v || std::isnan(e)))) {
+          arg = b * L + i;
+          v = e;
+        }
+      }
+    }
+    ids[m] = arg;
+  }
+  return C;
+}
 
 bool qcodes5_words() { return WORDS5; }
 

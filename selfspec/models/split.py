@@ -31,6 +31,7 @@ from selfspec.kernels.linear import MAX_GEMV_ROWS, PackedLinear, kernel_name, pa
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Norm, Rotary, Segment
 from selfspec.quant.modules import is_quantized, weight_rows
+from selfspec.quant.screen import ScreenedArgmax
 
 BACKENDS = ("fast", "reference")
 
@@ -111,6 +112,10 @@ class SplitModel:
             self.fast_layers = [FastLayer(layer, i, self.windows[i]) for i, layer in enumerate(self.layers)]
             self._fast_norm = Norm(self.norm)
             self._fast_lm_head = pack_linear(self.lm_head)
+        qhead = getattr(self.lm_head, "qweight", None) if backend == "fast" else None
+        # A greedy verification's argmax through the int8 screen (selfspec/quant/screen.py): exact mode, no softcap
+        self.screen = (ScreenedArgmax(qhead) if qhead is not None and self.softcap is None
+                        and getattr(self.lm_head, "bias", None) is None and ScreenedArgmax.available(qhead) else None)
 
     # ---- the ladder -------------------------------------------------------------------
     def rotary(self, h: torch.Tensor, positions: torch.Tensor,
@@ -265,6 +270,17 @@ class SplitModel:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # last-layer states -> logits
         return self.head_logits(self.final_norm(h))
+
+    def greedy_ids(self, h: torch.Tensor) -> torch.Tensor:  # [..., hidden] last-layer states -> [...] int64
+        """``logits(h).argmax(-1)``, bit for bit: for 3-8 rows of a quantized LM head, through the int8 screen
+        (``selfspec/quant/screen.py``: the exact kernel only on the blocks that can hold the maximum)."""
+        x = self.final_norm(h)
+        rows = x.numel() // x.shape[-1]
+        if self.screen is not None and self.screen.covers(rows):
+            ids = self.screen.argmax(x.reshape(rows, x.shape[-1]).float())
+            if ids is not None:
+                return ids.view(x.shape[:-1])
+        return self.head_logits(x).argmax(-1)
 
     def forward_all(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Plain full forward of new tokens (all layers), returning the final hidden states."""
