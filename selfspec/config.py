@@ -53,6 +53,12 @@ class ModelConfig:
         "speculation is lossless against plain decoding in the same mode). docs/QUANTIZED.md.",
         choices=["exact", "int8"],
     )
+    mmap: bool = opt(
+        False,
+        "Quantized weights: map the packed cache file (read lazily, its pages shared between processes) instead of "
+        "reading it into memory backed by 2 MB pages where the OS allows (the default: a step 5-10% faster, "
+        "fewer TLB misses; docs/QUANTIZED.md).",
+    )
     device: str = opt("cpu", "torch device to run on (cpu, cuda, cuda:0, ...).")
     threads: int | None = opt(None, "torch intra-op threads (None: torch's default).")
     backend: str = opt(

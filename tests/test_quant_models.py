@@ -66,6 +66,8 @@ def check_lossless(model, trees: bool = True) -> None:
             for gamma, tree in ((3, 0), (5, 3 if trees else 0)):
                 ss.set_draft(DraftConfig(exit_layer=k, head="lm", gamma=gamma, policy="fixed", tree_width=tree))
                 assert ss.generate(prompt, max_new_tokens=NEW).token_ids == ref, (len(prompt), k, gamma, tree)
+    if ss.split.screen is not None:  # AVX-512 VNNI builds: greedy blocks of 3-8 rows went through the LM head's screen
+        assert ss.split.screen.calls > 0
 
 
 @pytest.fixture(params=["panels", "torch"])
@@ -218,9 +220,9 @@ def _storage(t: torch.Tensor) -> int:
 
 def test_packed_weights_are_held_once(tmp_path, monkeypatch, one_thread):
     """Resident memory (issue 25): after a load, from the packed cache or when it is first written, every packed
-    weight is the cache file's mapped pages, and the fused projections the fast layers run are views of them
-    (no anonymous copy of any packed weight); no quantized module holds a dense float32 copy, even after
-    decoding, and no KV cache is made before a request."""
+    weight lies in the one buffer the cache file was read into (``mmap=True``: the file's mapped pages), and the
+    fused projections the fast layers run are views of them (no second copy of any packed weight); no quantized
+    module holds a dense float32 copy, even after decoding, and no KV cache is made before a request."""
     from conftest import tiny_tokenizer
 
     from selfspec.bench.forward import memory_breakdown
@@ -228,9 +230,9 @@ def test_packed_weights_are_held_once(tmp_path, monkeypatch, one_thread):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     tiny_model("llama").save_pretrained(tmp_path / "m")
     tiny_tokenizer().save_pretrained(tmp_path / "m")
-    mcfg = ModelConfig(model=str(tmp_path / "m"), quantize="Q4_1")
-    for _ in ("writes the cache", "maps it"):
-        ss = SelfSpec.load(mcfg, DraftConfig(head="lm", gamma=3, exit_layer=1))
+    for mmap in (False, False, True):  # writes the cache, reads it, maps it
+        ss = SelfSpec.load(ModelConfig(model=str(tmp_path / "m"), quantize="Q4_1", mmap=mmap),
+                           DraftConfig(head="lm", gamma=3, exit_layer=1))
         attn, mlp = ss.model.model.layers[1].self_attn, ss.model.model.layers[1].mlp
         qkv, gate_up = ss.split.fast_layers[1].qkv._quant[0][0], ss.split.fast_layers[1].gate_up._quant[0][0]
         assert qkv.shape[0] == attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
@@ -241,7 +243,8 @@ def test_packed_weights_are_held_once(tmp_path, monkeypatch, one_thread):
         assert memory_breakdown(ss, 0.0)["kv_cache_mb"] == 0  # no KV cache made at load: requests make theirs
         ss.generate(prompt_of(7, 3), max_new_tokens=8)
         mem = memory_breakdown(ss, 0.0)
-        assert mem["packed_mapped_mb"] == mem["packed_mb"] > 0  # all of it in the cache file's pages: no copy
+        where = "packed_mapped_mb" if mmap else "packed_pages_mb"
+        assert mem[where] == mem["packed_mb"] > 0  # all of it in the file's pages, or in the one buffer: no copy
         assert mem["dense_copies_mb"] == 0
         assert all(m._dense is None for m in ss.model.modules() if isinstance(m, QuantLinear))
 
@@ -270,3 +273,16 @@ def test_lean_tokenizer_keeps_outputs(tmp_path):
     assert outputs(tok) == before
     tok.save_pretrained(tmp_path / "t")
     assert outputs(AutoTokenizer.from_pretrained(tmp_path / "t")) == before
+
+
+def test_greedy_ids_are_the_logits_argmax(one_thread):
+    """split.greedy_ids (a greedy verification's argmax: the int8 screen for 3-8 rows on VNNI builds) equals the
+    logits' argmax for every row count, and a non-finite state falls back to the logits."""
+    ss = SelfSpec(quantize_model(tiny_model("llama"), "Q8_0"), None)
+    split = ss.split
+    assert split.lm_head.qweight is not None
+    h = torch.randn(1, 12, split.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+    for rows in range(1, 13):
+        assert torch.equal(split.greedy_ids(h[:, :rows]), split.logits(h[:, :rows]).argmax(-1)), rows
+    h[0, 1, 3] = float("inf")
+    assert torch.equal(split.greedy_ids(h[:, :4]), split.logits(h[:, :4]).argmax(-1))

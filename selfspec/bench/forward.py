@@ -3,6 +3,8 @@
 For each backend, context length and block size n it times (``selfspec.costs``, lower quartile):
 
     full     layers [0, L) + final norm + LM head     (one plain decoding step at n = 1)
+    greedy   full, ending in each row's argmax         (a greedy verification of n - 1 drafts: split.greedy_ids,
+                                                        the LM head's int8 screen for 3-8 rows of a quantized head)
     shallow  layers [0, k)                            (one draft token's layers at n = 1)
     deep     layers [k, L) + final norm + LM head     (the verification of n - 1 drafts)
     head     the exit head on n rows                  (the draft head, one token at n = 1)
@@ -46,10 +48,11 @@ from selfspec.models.cache import KVCache
 from selfspec.models.lean import ARCHITECTURES
 from selfspec.models.split import BACKENDS, SplitModel
 from selfspec.progress import progress
+from selfspec.quant.store import in_page_buffer
 from selfspec.timing import time_call
 
 FORMAT = "selfspec-bench-forward/1"
-RANGES = ("full", "shallow", "deep", "head")
+RANGES = ("full", "greedy", "shallow", "deep", "head")
 GB = 1e9  # decimal gigabytes, as bandwidth figures are usually quoted
 
 
@@ -156,6 +159,17 @@ def _live_kv_bytes() -> int:
                for t in (*c.keys, *c.values))
 
 
+def _anon_huge_mb() -> float:
+    """This process's anonymous memory in transparent huge pages (MiB; 0 where /proc does not say)."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def memory_breakdown(ss: SelfSpec, rss_after_load: float) -> dict[str, Any]:
     """What the resident memory after load is made of, in MiB, and issue 25's bound on it: BOUND_FACTOR x the
     GGUF + the KV caches alive + the runtime (python + torch + transformers imported)."""
@@ -163,6 +177,7 @@ def memory_breakdown(ss: SelfSpec, rss_after_load: float) -> dict[str, Any]:
     qws = {id(qw): qw for m in ss.model.modules() if (qw := getattr(m, "qweight", None)) is not None}
     files = [m for m in file_mappings() if m[2].endswith("packed.safetensors")]  # selfspec.quant.store's cache
     mapped = sum(qw.nbytes for qw in qws.values() if any(s <= qw.codes.data_ptr() < e for s, e, _, _ in files))
+    pages = sum(qw.nbytes for qw in qws.values() if in_page_buffer(qw.codes))
     dense = sum(m._dense.numel() * m._dense.element_size() for m in ss.model.modules()
                 if getattr(m, "_dense", None) is not None)
     kv_token = 2 * split.num_layers * split.num_kv_heads * split.head_dim * split.dtype.itemsize
@@ -177,6 +192,7 @@ def memory_breakdown(ss: SelfSpec, rss_after_load: float) -> dict[str, Any]:
         # the embedding's rows, which are read as tokens are looked up)
         "rss_all_weights_read_mb": rss_after_load + max(0, mapped - file_resident) / MIB,
         "packed_mb": sum(qw.nbytes for qw in qws.values()) / MIB, "packed_mapped_mb": mapped / MIB,
+        "packed_pages_mb": pages / MIB, "huge_pages_mb": _anon_huge_mb(),
         "packed_file_resident_mb": file_resident / MIB,
         "dense_copies_mb": dense / MIB,
         "float_params_mb": sum(p.numel() * p.element_size() for p in ss.model.parameters()) / MIB,
@@ -221,7 +237,7 @@ def range_bytes(split: SplitModel, head, exit_layer: int) -> dict[str, int]:
     head_bytes = _param_bytes(head) + lm * rows // split.vocab_size
     if head.kind == "lm":
         head_bytes += _param_bytes(split.norm)
-    return {"full": sum(layers) + top, "shallow": sum(layers[:k]), "deep": sum(layers[k:L]) + top,
+    return {"full": sum(layers) + top, "greedy": sum(layers) + top, "shallow": sum(layers[:k]), "deep": sum(layers[k:L]) + top,
             "head": head_bytes}
 
 
@@ -231,7 +247,7 @@ def range_weights(split: SplitModel, head, exit_layer: int) -> dict[str, int]:
     lm = split.vocab_size * split.hidden_size
     rows = len(head.vocab_ids) or split.vocab_size
     k, L = exit_layer, split.num_layers
-    return {"full": sum(layers) + lm, "shallow": sum(layers[:k]), "deep": sum(layers[k:L]) + lm,
+    return {"full": sum(layers) + lm, "greedy": sum(layers) + lm, "shallow": sum(layers[:k]), "deep": sum(layers[k:L]) + lm,
             "head": _matrix_weights(head) + rows * split.hidden_size}
 
 
@@ -287,9 +303,9 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
     bandwidth = measure_bandwidth(cfg.bandwidth_mb)
     dtype = str(ss.split.dtype).removeprefix("torch.")
     threads = torch.get_num_threads()
-    spans = {"full": (0, L, True), "shallow": (0, k, False), "deep": (k, L, True)}
+    spans = {"full": (0, L, True), "greedy": (0, L, True), "shallow": (0, k, False), "deep": (k, L, True)}
 
-    bar = progress(total=len(cfg.backends) * (len(cfg.contexts) * 3 + 1) * len(sizes), desc="bench-forward",
+    bar = progress(total=len(cfg.backends) * (len(cfg.contexts) * 4 + 1) * len(sizes), desc="bench-forward",
                    unit="figure", dynamic_ncols=True)
     seconds: dict[tuple[str, int, str, int], float] = {}
     head_s: dict[tuple[str, int], float] = {}
@@ -302,7 +318,8 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
         for b, split in splits.items():
             for name, (start, end, lm) in spans.items():  # block sizes interleaved: machine drift hits all alike
                 bar.set_postfix_str(f"ctx {c} {b} {name}")
-                for n, t in time_blocks(split, start, end, tuple(sizes), c, cfg.reps, lm_head=lm).items():
+                for n, t in time_blocks(split, start, end, tuple(sizes), c, cfg.reps, lm_head=lm,
+                                        greedy=name == "greedy").items():
                     seconds[b, c, name, n] = t
                 bar.update(len(sizes))
     bar.close()
@@ -406,9 +423,10 @@ def format_memory(mem: dict) -> str:
             f"- runtime: {mem['runtime_mb']:.0f} MB (python + torch + transformers imported), "
             f"{mem['runtime_with_model_code_mb']:.0f} MB with transformers' model code imported"
             + ("" if mem.get("model_code_imported", True) else " (not imported here: the lean model tree)"),
-            f"- packed weights: {mem['packed_mb']:.1f} MB{ratio}, {mem['packed_mapped_mb']:.1f} MB of them mapped "
-            f"from the cache file ({mem['packed_file_resident_mb']:.1f} MB of its pages resident), the rest in "
-            f"anonymous memory; dense float32 copies: {mem['dense_copies_mb']:.1f} MB",
+            f"- packed weights: {mem['packed_mb']:.1f} MB{ratio}, {mem.get('packed_pages_mb', 0.0):.1f} MB of them "
+            f"read into one buffer of 2 MB pages ({mem.get('huge_pages_mb', 0.0):.0f} MB of the process in huge pages), "
+            f"{mem['packed_mapped_mb']:.1f} MB mapped from the cache file ({mem['packed_file_resident_mb']:.1f} MB of "
+            f"its pages resident), the rest in other memory; dense float32 copies: {mem['dense_copies_mb']:.1f} MB",
             f"- float parameters: {mem['float_params_mb']:.1f} MB; exit head: {mem['head_mb']:.1f} MB",
             f"- KV caches alive: {mem['kv_cache_mb']:.1f} MB (each request makes its own, sized to it: "
             f"{mem['kv_kb_per_token']:.1f} KB per token)",
@@ -435,7 +453,7 @@ def write_plot(result: dict, path: str | Path) -> Path:
     c = result["config"]["contexts"][0]
     figs = [f for f in result["figures"] if f["table_context"] == c]
     styles = {"fast": "-", "reference": "--"}
-    colors = dict(zip(RANGES, ("C0", "C1", "C2", "C3")))
+    colors = dict(zip(RANGES, ("C0", "C4", "C1", "C2", "C3")))
     fig = Figure(figsize=(11, 4.2))
     FigureCanvasAgg(fig)
     ax_ms, ax_ratio = fig.subplots(1, 2)

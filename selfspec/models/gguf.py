@@ -95,13 +95,14 @@ def _read_gguf(path: Path, config: Any, model: nn.Module) -> tuple[dict[str, Qua
     return quant, floats
 
 
-def load_gguf_model(path: Path, cache: Path | None = None) -> nn.Module:
+def load_gguf_model(path: Path, cache: Path | None = None, mmap: bool = False) -> nn.Module:
     """A transformers CausalLM with ``path``'s weights, quantized ones kept quantized. ``cache``: a directory
     where config, packed and float tensors are kept after the first load; later loads map them instead of
-    parsing the GGUF (its metadata and name map alone take seconds) and decoding its blocks again."""
+    parsing the GGUF (its metadata and name map alone take seconds) and decoding its blocks again (``mmap``:
+    mapped from the file, else read into 2 MB pages, ``load_packed``)."""
     from transformers import AutoConfig
 
-    hit = load_packed(cache) if cache is not None else None
+    hit = load_packed(cache, mmap=mmap) if cache is not None else None
     if hit is not None:
         config, quant, floats = hit
     else:
@@ -116,7 +117,7 @@ def load_gguf_model(path: Path, cache: Path | None = None) -> nn.Module:
         quant, floats = _read_gguf(path, config, model)
         if cache is not None:
             save_packed(cache, config, quant, floats)
-            mapped = load_packed(cache)  # as every later load: mapped from the file, the decoded arrays freed
+            mapped = load_packed(cache, mmap=mmap)  # as every later load: from the file, the decoded arrays freed
             if mapped is not None:
                 _, quant, floats = mapped
     return assemble(model, quant, floats, str(path))

@@ -206,10 +206,10 @@ def _native_key(gguf: Path) -> str:
     return gguf_cache_dir(gguf).name
 
 
-def _load_native(gguf: Path) -> tuple[Any, Any]:
+def _load_native(gguf: Path, mmap: bool = False) -> tuple[Any, Any]:
 
     try:
-        model = load_gguf_model(gguf, cache_root() / "packed" / _native_key(gguf))
+        model = load_gguf_model(gguf, cache_root() / "packed" / _native_key(gguf), mmap=mmap)
         tokenizer = load_gguf_tokenizer(gguf, cache_root() / "tokenizers" / _native_key(gguf))
     except SelfSpecError:
         raise
@@ -241,7 +241,7 @@ def _quantized_cached(cfg: ModelConfig, where: str) -> Any | None:
     miss. The generation config is the model's own (its generation_config.json, else from its config)."""
     from transformers import GenerationConfig
 
-    hit = load_packed(_quantize_cache(cfg, where))
+    hit = load_packed(_quantize_cache(cfg, where), mmap=cfg.mmap)
     if hit is None:
         return None
     model = _assembled(hit, where)
@@ -259,7 +259,7 @@ def _quantized(model: Any, cfg: ModelConfig, where: str) -> Any:
     cache = _quantize_cache(cfg, where)  # (checked there: the CPU, float32)
     quant, floats = quantize_parts(model, cfg.quantize)
     save_packed(cache, model.config, quant, floats)
-    hit = load_packed(cache) or (model.config, quant, floats)  # mapped from the file, as every later load
+    hit = load_packed(cache, mmap=cfg.mmap) or (model.config, quant, floats)  # read back from the file, as every later load
     out = _assembled(hit, where)
     out.generation_config = model.generation_config
     return out
@@ -292,7 +292,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     if is_native_quantized(cfg):
         native = local_gguf(cfg)
         assert native is not None  # is_native_quantized: a local GGUF
-        model, tokenizer = _load_native(native)  # (trim_heap: what a first load's GGUF decoding freed too)
+        model, tokenizer = _load_native(native, cfg.mmap)  # (trim_heap: what a first load's GGUF decoding freed too)
         return _finish(set_numerics(model, cfg.numerics), lean_tokenizer(tokenizer))
     where, gguf = resolve_model(cfg.model, cfg.gguf_file)
     if cfg.quantize:
