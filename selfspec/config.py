@@ -56,7 +56,7 @@ class ModelConfig:
     mmap: bool = opt(
         False,
         "Quantized weights: map the packed cache file (read lazily, its pages shared between processes) instead of "
-        "reading it into memory backed by 2 MB pages where the OS allows (the default: a step 5-10% faster, "
+        "reading it into memory backed by 2 MB pages where the OS allows (the default: a step 5-10 percent faster, "
         "fewer TLB misses; docs/QUANTIZED.md).",
     )
     device: str = opt("cpu", "torch device to run on (cpu, cuda, cuda:0, ...).")

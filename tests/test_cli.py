@@ -128,3 +128,10 @@ def test_config_options_refuse_bad_values(argv, capsys) -> None:
         toy(*argv)
     err = capsys.readouterr().err
     assert "invalid" in err or "unrecognized" in err
+
+
+def test_every_command_prints_its_help() -> None:
+    """Every command's --help renders: argparse %-formats help texts, so a bare '%' in an option's docstring
+    (say '5-10% faster') broke --help of every command taking that config."""
+    for name, sub in subparsers(build_parser()).items():
+        assert sub.format_help().startswith("usage:"), name
