@@ -751,6 +751,7 @@ void tile_i8(const int8_t* __restrict qx, const int8_t* __restrict xp, const flo
     __m512i is[2][MC];  // two independent integer sums per row (exact: their order cannot matter)
     for (int m = 0; m < MC; ++m) is[0][m] = is[1][m] = _mm512_setzero_si512();
     vu W[5], S{};  // 5-bit codes: the group's words and spare bits, read once (quad5)
+    prefetch_group<OFF>(codes, CB, sc, of, j);  // as the exact kernels (A/B, Qwen, 4 rows: 0.75 -> 0.72 of exact)
     if constexpr (BITS == 5) S = words5(cg, W);
     const int gk = BITS == 5 ? 32 : (int)g;
 #pragma GCC unroll 4
