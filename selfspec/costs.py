@@ -202,7 +202,7 @@ def measure_draft_costs(split: SplitModel, head, context: int = 256, block_sizes
                         reps: int = 8, exit_layer: int | None = None) -> DraftCosts:
     """Measure what the economics need for ``head`` at its exit layer, or at ``exit_layer`` (one of a nested
     head's depths), in a second or two. A block's deep range ends in a greedy verification's argmax
-    (``split.greedy_ids``: with a quantized LM head, 3-8 rows cost less than their logits); sampling's blocks
+    (``split.greedy_ids``: with a quantized LM head, 5-8 rows cost less than their logits); sampling's blocks
     compute the logits, so for sampling these costs are a little low."""
     k, L = exit_layer or head.exit_layer, split.num_layers
     deep = monotone(time_blocks(split, k, L, block_sizes, context, reps, lm_head=True, greedy=True))

@@ -28,7 +28,6 @@ from selfspec.sampling import make_generator, pick
 from selfspec.specee.decode import SPECEE_METHODS, SpecEERunner
 from selfspec.state import SequenceState
 from selfspec.stats import GenerationStats
-from selfspec.verify import greedy_tree_verify
 
 METHODS = ("selfspec", "plain", *SPECEE_METHODS)
 MAX_TREE_NODES = 16  # the tree's head-drafted nodes (root included); the packed kernels take up to 16 rows
@@ -153,10 +152,10 @@ class Engine:
                stats: GenerationStats, target_logits: torch.Tensor | None = None) -> list[int]:
         """Verify ``block`` from its rows' last-layer states ``h`` ``# [1, rows, hidden]`` (``target_logits``
         ``# [1, rows, vocab]`` when already computed: a batch) and commit the verdict."""
-        if gen.greedy and target_logits is None:  # only the argmax is needed (the LM head's screen, split.greedy_ids)
-            ids = self.split.greedy_ids(h)[0]  # [rows]
+        if gen.greedy:  # only each row's argmax is needed (split.greedy_ids: the LM head's screen)
+            ids = self.split.greedy_ids(h)[0] if target_logits is None else target_logits[0].argmax(-1)  # [rows]
             if block.tree is not None:
-                keep, nxt = greedy_tree_verify(block.tree.parents, block.tree.tokens, ids)
+                keep, nxt = core.greedy_tree(block, ids)
                 return core.commit_path(seq, self.need_drafter(), block, keep, nxt, h, stats)
             m, nxt = core.greedy_chain(block.tokens, ids.tolist())
             return core.commit(seq, self.drafter, block, m, nxt, h, stats)

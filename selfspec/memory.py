@@ -30,15 +30,21 @@ def trim_heap() -> None:
         trim(0)
 
 
-def resident_mb() -> float:
-    """This process's resident memory (VmRSS) in MiB, NaN where /proc is not available."""
+def proc_mb(path: str, field: str, default: float = float("nan")) -> float:
+    """A "Field:  N kB" line of a /proc file (``/proc/self/status``, ``/proc/self/smaps_rollup``) in MiB, or
+    ``default`` where the file or field is not there."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return float("nan")
+    return default
+
+
+def resident_mb() -> float:
+    """This process's resident memory (VmRSS) in MiB, NaN where /proc is not available."""
+    return proc_mb("/proc/self/status", "VmRSS")
 
 
 def file_mappings() -> list[tuple[int, int, str, int]]:

@@ -96,6 +96,13 @@ def greedy_chain(drafts: list[int], target_ids: list[int]) -> tuple[int, int]:
     return m, target_ids[m]
 
 
+def greedy_tree(block: DraftBlock, target_ids: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy verdict on a token tree from the target's argmax after each node (``target_ids`` ``# [nodes]``):
+    the accepted path (node indices, root first) and the target's token after it (greedy_tree_verify)."""
+    assert block.tree is not None, "greedy_tree takes a token tree's block"
+    return greedy_tree_verify(block.tree.parents, block.tree.tokens, target_ids)
+
+
 def verify_tree(gen: GenerateConfig, block: DraftBlock, target_logits: torch.Tensor,
                 generator: torch.Generator | None) -> tuple[list[int], int]:
     """The target's verdict on a token tree, ``target_logits`` ``# [nodes, vocab]``: the accepted path (node
@@ -103,7 +110,7 @@ def verify_tree(gen: GenerateConfig, block: DraftBlock, target_logits: torch.Ten
     tree = block.tree
     assert tree is not None, "verify_tree takes a token tree's block"
     if gen.greedy:
-        return greedy_tree_verify(tree.parents, tree.tokens, target_logits.argmax(-1))
+        return greedy_tree(block, target_logits.argmax(-1))
     probs = logits_to_probs(target_logits, gen.temperature, gen.top_k, gen.top_p)
     return tree_sample_verify(tree.parents, tree.tokens, probs, generator)
 

@@ -4,7 +4,7 @@ For each backend, context length and block size n it times (``selfspec.costs``, 
 
     full     layers [0, L) + final norm + LM head     (one plain decoding step at n = 1)
     greedy   full, ending in each row's argmax         (a greedy verification of n - 1 drafts: split.greedy_ids,
-                                                        the LM head's int8 screen for 3-8 rows of a quantized head)
+                                                        the LM head's int8 screen for 5-8 rows of a quantized head)
     shallow  layers [0, k)                            (one draft token's layers at n = 1)
     deep     layers [k, L) + final norm + LM head     (the verification of n - 1 drafts)
     head     the exit head on n rows                  (the draft head, one token at n = 1)
@@ -43,7 +43,7 @@ from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_fr
 from selfspec.costs import time_blocks, time_head
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import bundled_head_dir, read_head_config
-from selfspec.memory import file_mappings, resident_mb
+from selfspec.memory import file_mappings, proc_mb, resident_mb
 from selfspec.models.cache import KVCache
 from selfspec.models.lean import ARCHITECTURES
 from selfspec.models.split import BACKENDS, SplitModel
@@ -159,17 +159,6 @@ def _live_kv_bytes() -> int:
                for t in (*c.keys, *c.values))
 
 
-def _anon_huge_mb() -> float:
-    """This process's anonymous memory in transparent huge pages (MiB; 0 where /proc does not say)."""
-    try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
 def memory_breakdown(ss: SelfSpec, rss_after_load: float) -> dict[str, Any]:
     """What the resident memory after load is made of, in MiB, and issue 25's bound on it: BOUND_FACTOR x the
     GGUF + the KV caches alive + the runtime (python + torch + transformers imported)."""
@@ -192,7 +181,7 @@ def memory_breakdown(ss: SelfSpec, rss_after_load: float) -> dict[str, Any]:
         # the embedding's rows, which are read as tokens are looked up)
         "rss_all_weights_read_mb": rss_after_load + max(0, mapped - file_resident) / MIB,
         "packed_mb": sum(qw.nbytes for qw in qws.values()) / MIB, "packed_mapped_mb": mapped / MIB,
-        "packed_pages_mb": pages / MIB, "huge_pages_mb": _anon_huge_mb(),
+        "packed_pages_mb": pages / MIB, "huge_pages_mb": proc_mb("/proc/self/smaps_rollup", "AnonHugePages", 0.0),
         "packed_file_resident_mb": file_resident / MIB,
         "dense_copies_mb": dense / MIB,
         "float_params_mb": sum(p.numel() * p.element_size() for p in ss.model.parameters()) / MIB,

@@ -433,6 +433,21 @@ inline void tile(const float* __restrict x, int64_t ldx, int64_t G, int64_t g, c
     }
 }
 
+// [M, G] each x-row's group sums, for the offset types' table path (tile_lookup); empty for the other types.
+template <int BITS, bool OFF>
+std::vector<float> group_sums(const float* x, int64_t M, int64_t G, int64_t g) {
+  std::vector<float> xsum;
+  if constexpr (OFF && LOOKUP<BITS, OFF>) {
+    xsum.resize(M * G);
+    for (int64_t i = 0; i < M * G; ++i) {
+      float t = 0.f;
+      for (int64_t k = 0; k < g; ++k) t += x[i * g + k];
+      xsum[i] = t;
+    }
+  }
+  return xsum;
+}
+
 // mc <= MCMAX x-rows against one block: the tile run (qlinear) and qargmax both take, so a row's arithmetic is the
 // same in both (its tile's size decides its partial sums).
 template <int BITS, bool OFF>
@@ -481,15 +496,7 @@ template <int BITS, bool OFF>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Sc sc, Sc of, int64_t NB,
          int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N, bool accumulate) {
   const int64_t CB = group_bytes(BITS, g);
-  std::vector<float> xsum;  // [M, G] each x-row's group sums, for the offset types' table path
-  if constexpr (OFF && LOOKUP<BITS, OFF>) {
-    xsum.resize(M * G);
-    for (int64_t i = 0; i < M * G; ++i) {
-      float t = 0.f;
-      for (int64_t k = 0; k < g; ++k) t += x[i * g + k];
-      xsum[i] = t;
-    }
-  }
+  const std::vector<float> xsum = group_sums<BITS, OFF>(x, M, G, g);
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < NB; ++b) {
     float res[MCMAX * L];
@@ -527,13 +534,20 @@ void check_packed(const torch::Tensor& codes, const torch::Tensor& scales, const
 }
 
 // The arguments of qlinear / qlinear_i8, checked.
+// x [M, K] against a checked packed weight, and the zero point its codes are read with.
+void check_x(const torch::Tensor& x, const torch::Tensor& codes, int64_t bits, int64_t group, double z) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
+  TORCH_CHECK(x.size(1) == codes.size(1) * group, "x has ", x.size(1), " columns, the weight ", codes.size(1) * group);
+  // bytes are read as q - 128 (tile_lookup flips the top bit; the int8 mode's AVX2 path subtracts 128)
+  TORCH_CHECK(bits != 8 || z == 128.0, "8-bit codes must have zero point 128 (Q8_0, Q6_K), got ", z);
+}
+
 void check_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                  const torch::Tensor& offsets, int64_t bits, int64_t group, const torch::Tensor& bias,
+                  const torch::Tensor& offsets, int64_t bits, int64_t group, double z, const torch::Tensor& bias,
                   const torch::Tensor& out) {
   check_packed(codes, scales, offsets, bits, group);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
+  check_x(x, codes, bits, group, z);
   const int64_t NB = codes.size(0), N = out.size(1);
-  TORCH_CHECK(x.size(1) == codes.size(1) * group, "x has ", x.size(1), " columns, the weight ", codes.size(1) * group);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 && out.scalar_type() == torch::kFloat &&
                   N <= NB * L && N > (NB - 1) * L,
               "out: [M, N] float32 with unit column stride");
@@ -560,9 +574,7 @@ struct LinearArgs {
 LinearArgs linear_args(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                        const torch::Tensor& offsets, int64_t bits, int64_t group, double z, const torch::Tensor& bias,
                        torch::Tensor& out) {
-  check_linear(x, codes, scales, offsets, bits, group, bias, out);
-  // bytes are read as q - 128 (tile_lookup flips the top bit; the int8 mode's AVX2 path subtracts 128)
-  TORCH_CHECK(bits != 8 || z == 128.0, "8-bit codes must have zero point 128 (Q8_0, Q6_K), got ", z);
+  check_linear(x, codes, scales, offsets, bits, group, z, bias, out);
   const bool off = offsets.numel() > 0;
   return {x.size(0), x.size(1), codes.size(0), codes.size(1), out.size(1), out.stride(0),
           codes.data_ptr<uint8_t>(), sc_of(scales), sc_of(offsets),
@@ -958,7 +970,7 @@ bool qlinear_i8_vnni() { return VNNI; }
 // (above) computes them approximately at the cost of one read of the weight; its error is bounded per block of 16
 // output rows, so only the blocks whose bound can reach the best row need the exact kernel. Per x-row m and block b:
 //     |approx - exact| <= B[m][b] = sum_j E[b][j] * dx[m][j]
-// where dx is the group's rounding step (max|x| / 127) and E (``ebound``, selfspec/kernels/screen.py) the block's
+// where dx is the group's rounding step (max|x| / 127) and E (``ebound``, selfspec/quant/screen.py) the block's
 // largest sum_k |w_k| / 2 in group j (rounding moves each x by at most dx / 2), plus room for the float32 rounding of
 // both kernels. The true argmax r* has exact >= exact of every row, so approx[r*] + B >= max_r (approx[r] - B) =: lo:
 // every block whose best approx + B reaches lo is a candidate, and no other block can hold r*. The candidates go
@@ -971,10 +983,8 @@ bool qlinear_i8_vnni() { return VNNI; }
 int64_t qargmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
                 int64_t group, double z, int64_t n, torch::Tensor ebound, torch::Tensor out) {
   check_packed(codes, scales, offsets, bits, group);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
-  TORCH_CHECK(x.size(1) == codes.size(1) * group, "x has ", x.size(1), " columns, the weight ", codes.size(1) * group);
+  check_x(x, codes, bits, group, z);
   TORCH_CHECK(n <= codes.size(0) * L && n > (codes.size(0) - 1) * L, "n: ", n, " output rows for ", codes.size(0), " blocks");
-  TORCH_CHECK(bits != 8 || z == 128.0, "8-bit codes must have zero point 128 (Q8_0, Q6_K), got ", z);
   struct {
     const uint8_t* codes;
     Sc scales, offsets;
@@ -1042,15 +1052,7 @@ int64_t qargmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torc
     constexpr int BB = decltype(B)::value;
     constexpr bool OO = decltype(O)::value;
     const int64_t CB = group_bytes(BB, group);
-    std::vector<float> xsum;  // as run: the offset types' group sums of x
-    if constexpr (OO && LOOKUP<BB, OO>) {
-      xsum.resize(M * G);
-      for (int64_t i = 0; i < M * G; ++i) {
-        float t = 0.f;
-        for (int64_t k = 0; k < group; ++k) t += xp[i * group + k];
-        xsum[i] = t;
-      }
-    }
+    const std::vector<float> xsum = group_sums<BB, OO>(xp, M, G, group);  // as run
 #pragma omp parallel for schedule(static) if (C > 8)
     for (int64_t c = 0; c < C; ++c) {
       const int64_t b = blocks[c];

@@ -170,7 +170,7 @@ class _Pages:
         info = self._header[key]
         dtype = self._DTYPES.get(info["dtype"])
         a, b = info["data_offsets"]
-        if dtype is None or (self._base + a) % torch.empty(0, dtype=dtype).element_size():
+        if dtype is None or (self._base + a) % dtype.itemsize:
             return self._mapped.get_tensor(key)
         return self._buf[self._base + a : self._base + b].view(dtype).view(info["shape"])
 
