@@ -334,8 +334,24 @@ def test_when_no_early_exit_draft_pays_only_lookup_drafts_unless_exploring():
     assert ss.tuning_result.gamma == 0 and not ss.engine.drafter.head_drafts
     prompt = prompt_of(9, 4) * 3  # repeats: lookup has matches
     ref = hf_greedy(ss.model, prompt, 40)
-    out = ss.generate(prompt, max_new_tokens=40, ignore_eos=True)
-    assert out.token_ids == ref and out.stats.draft_depths == {}
+    # with the head off a round is a plain step or a lookup block, each one pass through every layer from the
+    # embeddings: no exit states are made for it (nothing would read them), no chain is drafted
+    split, spans = ss.split, []
+    run_layers = split.run_layers
+
+    def spy(h, start, end, *a, **kw):
+        spans.append((start, end))
+        return run_layers(h, start, end, *a, **kw)
+
+    split.run_layers = spy
+    ss.engine.drafter.propose_chains = None  # calling it would raise
+    try:
+        out = ss.generate(prompt, max_new_tokens=40, ignore_eos=True)
+    finally:
+        del split.run_layers, ss.engine.drafter.propose_chains
+    assert out.token_ids == ref and out.stats.draft_depths == {} and out.stats.lookup_steps > 0
+    L = split.num_layers
+    assert spans[:2] == [(0, 1), (1, L)] and set(spans[2:]) == {(0, L)}  # (the prefill captures its exit states)
     ss.set_draft(DraftConfig(head="lm", exit_layer=1, explore=True))
     assert ss.engine.drafter.head_drafts
     assert ss.generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids == ref

@@ -193,10 +193,20 @@ class EarlyExitDrafter(BaseDrafter):
         drafts = self.lookup_drafts(seq, limit)
         if not drafts:
             return None
-        split, p, k = self.split, seq.length, self.depth_of(seq)
-        ids = torch.tensor([[seq.pending, *drafts]], dtype=torch.long, device=split.device)
-        states = split.run_layers(split.embed(ids), 0, k, seq.positions(p, len(drafts) + 1), seq.cache)
-        return DraftBlock(list(drafts), None, states, start=p, source="lookup", exit_layer=k)
+        block = DraftBlock(list(drafts), None, None, start=seq.length, source="lookup")
+        # without head drafts the exit states are not kept (the head never runs): verified from the embeddings
+        return self.with_exit_states(seq, block) if self.head_drafts else block
+
+    def with_exit_states(self, seq: SequenceState, block: DraftBlock) -> DraftBlock:
+        """``block`` with the exit states of [pending, drafts...] (layers [0, k) run now) if it has none: what
+        verification from the exit depth and the head's state need (the pipeline's shallow stage always)."""
+        if block.exit_states is None:
+            split, k = self.split, self.depth_of(seq)
+            ids = torch.tensor([[seq.pending, *block.tokens]], dtype=torch.long, device=split.device)
+            block.exit_states = split.run_layers(split.embed(ids), 0, k, seq.positions(block.start, ids.shape[1]),
+                                                 seq.cache)
+            block.exit_layer = k
+        return block
 
     def lookup_available(self, seq: SequenceState) -> bool:
         """Whether a lookup block would be proposed now (the text's last n-gram occurred before)."""
@@ -209,8 +219,9 @@ class EarlyExitDrafter(BaseDrafter):
             block = self._lookup(seq, max_drafts if limit is None else limit)
             if block is not None:
                 return block
-        # without head drafts, a block of no drafts (the pending token's exit state: the head does not run)
-        return self.propose_chains([seq], [max_drafts if self.head_drafts else 0], [gen], [k])[0]
+        if not self.head_drafts:  # a plain step: every layer in one pass (no exit state to keep: the head never runs)
+            return DraftBlock([], None, None, start=seq.length)
+        return self.propose_chains([seq], [max_drafts], [gen], [k])[0]
 
     def propose_chains(self, seqs: list[SequenceState], max_drafts: list[int], gens: list[GenerateConfig],
                        depths: list[int] | None = None) -> list[DraftBlock]:

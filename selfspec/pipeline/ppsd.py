@@ -178,6 +178,10 @@ class Pipeline:
                 finals[:, :n] = block.predicted_finals[:, :n]
         core.commit(seq, self.drafter, block, m, x, finals, observe=False)
 
+    def _propose(self, seq: SequenceState, max_drafts: int, gen: GenerateConfig) -> DraftBlock:
+        """The drafter's block with its exit states: the deep stage starts from them."""
+        return self.drafter.with_exit_states(seq, self.drafter.propose(seq, max_drafts, gen))
+
     def _keep(self, seq: SequenceState, block: DraftBlock, branch: bool = False) -> _Ahead:
         end = block.start + len(block.tokens) + 1
         return _Ahead(block, seq.cache.save(block.start, end, self.k), branch)
@@ -191,7 +195,7 @@ class Pipeline:
         if g == 0 or left < 1:
             return {}
         self._suppose(seq, snap, block, g - 1, block.tokens[-1])
-        b = self.drafter.propose(seq, min(self.config.gamma, left - 1) + 1, gen)
+        b = self._propose(seq, min(self.config.gamma, left - 1) + 1, gen)
         if not b.tokens:
             return {}
         assert b.exit_states is not None  # the early-exit drafter's blocks carry their exit states
@@ -219,7 +223,7 @@ class Pipeline:
             if gen.greedy and self.link.poll() is not None:
                 return
             self._suppose(seq, snap, block, m, c)
-            ahead[(m, c)] = self._keep(seq, self.drafter.propose(seq, min(self.config.gamma, left - 1), gen), True)
+            ahead[(m, c)] = self._keep(seq, self._propose(seq, min(self.config.gamma, left - 1), gen), True)
             self.stats.branches += 1
 
     # ---- generation ------------------------------------------------------------------------
@@ -257,7 +261,7 @@ class Pipeline:
             p = seq.length
             if nxt is None or len(nxt.tokens) > budget - 1:
                 seq.cache.truncate(p)
-                nxt = d.propose(seq, min(cfg.gamma, budget - 1), gen)
+                nxt = self._propose(seq, min(cfg.gamma, budget - 1), gen)
             block = nxt
             assert block.exit_states is not None  # the early-exit drafter's blocks carry their exit states
             msg = [torch.tensor([p, len(block.tokens)], dtype=torch.long), block.exit_states,
