@@ -86,3 +86,42 @@ def test_cli_generate_through_the_pipeline_gives_the_same_text():
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == plain.stdout and piped.stdout.strip()
     assert "pipeline mirror over a process" in piped.stderr
+
+
+def test_textstream_decodes_a_window_and_equals_the_whole_texts_decoding(default_ss):
+    """The text streamed id by id (each push decoding a few ids, not all) equals the tokenizer's decoding of all
+    ids, on text whose pieces merge: accents, CJK, emoji split over several byte-level ids, spaces, newlines,
+    special tokens; and an id sequence cut inside a character ends in its U+FFFD as the whole decoding does."""
+    tok = default_ss.tokenizer  # SmolLM2's byte-level BPE
+    text = ("Grüße aus Köln — naïve café 🎉🎉 日本語のテキスト, 한국어 and  double  spaces\n\n\tcode: x = f(y) "
+            "# über\r\nend 🤖.")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    ids = ids + [tok.eos_token_id] + ids  # a special token in between (skipped)
+    whole = tok.decode(ids, skip_special_tokens=True)
+    ts = TextStream(tok)
+    streamed = "".join(ts.push(i) for i in ids) + ts.flush()
+    assert streamed == whole == ts.text
+    assert ts.read - ts.prefix <= 8  # the window stayed short
+    emoji = tok("🎉", add_special_tokens=False)["input_ids"]
+    assert len(emoji) > 1  # byte-level: one character, several ids
+    ts = TextStream(tok)
+    cut = ids[:3] + emoji[:-1]
+    assert "".join(ts.push(i) for i in cut) + ts.flush() == tok.decode(cut, skip_special_tokens=True)
+
+
+def test_textstream_window_keeps_sentencepiece_spaces():
+    """A Metaspace decoder drops the leading space of the first piece it decodes; the window's text before the
+    new ids is decoded from the same start, so the spaces between pieces survive."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pieces = ["<unk>", "\u2581hello", "\u2581world", "!", "\u2581", "a", "b"]
+    backend = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = [1, 2, 3, 4, 5, 6, 2, 1, 3]
+    ts = TextStream(Tok())
+    assert "".join(ts.push(i) for i in ids) + ts.flush() == backend.decode(ids) == "hello world! ab world hello!"

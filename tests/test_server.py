@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 
+from selfspec import DraftConfig
 from selfspec.api import GenerationResult, StreamEvent
 from selfspec.batch.scheduler import BatchConfig
 from selfspec.config import GenerateConfig
@@ -244,6 +245,7 @@ class ThreadedServer:
 
 @pytest.fixture(scope="module")
 def ss(default_ss):
+    default_ss.set_draft(DraftConfig())  # the shared model as served: earlier modules may have set other drafts
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield default_ss
