@@ -24,7 +24,7 @@ from selfspec.config import GenerateConfig
 from selfspec.drafting.base import DraftBlock, Drafter
 from selfspec.errors import ContextOverflowError, EmptyPromptError, InvalidConfigError
 from selfspec.models.split import Ride, SplitModel
-from selfspec.sampling import make_generator, pick
+from selfspec.sampling import greedy, make_generator, pick
 from selfspec.specee.decode import SPECEE_METHODS, SpecEERunner
 from selfspec.state import SequenceState
 from selfspec.stats import GenerationStats
@@ -153,7 +153,7 @@ class Engine:
         """Verify ``block`` from its rows' last-layer states ``h`` ``# [1, rows, hidden]`` (``target_logits``
         ``# [1, rows, vocab]`` when already computed: a batch) and commit the verdict."""
         if gen.greedy:  # only each row's argmax is needed (split.greedy_ids: the LM head's screen)
-            ids = self.split.greedy_ids(h)[0] if target_logits is None else target_logits[0].argmax(-1)  # [rows]
+            ids = self.split.greedy_ids(h)[0] if target_logits is None else greedy(target_logits[0])  # [rows]
             if block.tree is not None:
                 keep, nxt = core.greedy_tree(block, ids)
                 return core.commit_path(seq, self.need_drafter(), block, keep, nxt, h, stats)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from selfspec.config import GenerateConfig
 from selfspec.drafting.base import DraftBlock, Drafter
 from selfspec.models.split import Ride, SplitModel
-from selfspec.sampling import logits_to_probs, pick
+from selfspec.sampling import greedy, logits_to_probs, pick
 from selfspec.state import SequenceState
 from selfspec.stats import GenerationStats
 from selfspec.verify import greedy_tree_verify, speculative_verify, tree_sample_verify
@@ -78,7 +78,7 @@ def verify_chain(gen: GenerateConfig, drafts: list[int], draft_probs: torch.Tens
     target's distribution). ``draft_probs`` ``# [g, vocab]`` (None: greedy drafts, one-hot under sampling),
     ``target_logits`` ``# [1, g + 1, vocab]``. -> (accepted m, recovered or bonus token)."""
     if gen.greedy:
-        return greedy_chain(drafts, target_logits[0].argmax(-1).tolist())
+        return greedy_chain(drafts, greedy(target_logits[0]).tolist())
     d = torch.tensor([drafts], dtype=torch.long, device=target_logits.device)  # [1, g]
     target_probs = logits_to_probs(target_logits, gen.temperature, gen.top_k, gen.top_p)
     if draft_probs is not None:
@@ -110,7 +110,7 @@ def verify_tree(gen: GenerateConfig, block: DraftBlock, target_logits: torch.Ten
     tree = block.tree
     assert tree is not None, "verify_tree takes a token tree's block"
     if gen.greedy:
-        return greedy_tree(block, target_logits.argmax(-1))
+        return greedy_tree(block, greedy(target_logits))
     probs = logits_to_probs(target_logits, gen.temperature, gen.top_k, gen.top_p)
     return tree_sample_verify(tree.parents, tree.tokens, probs, generator)
 

@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from selfspec.kernels.build import cpu_extension
+
 
 def logits_to_probs(
     logits: torch.Tensor,  # [..., vocab]
@@ -44,8 +46,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """logits [..., vocab] -> argmax ids [...]."""
-    return logits.argmax(-1)
+    """logits [..., vocab] -> argmax ids [...]: ``logits.argmax(-1)``'s indices (the first largest value, or the
+    first NaN), through the compiled op for float32 on the CPU (torch's took 85 us over Qwen2.5's 151,936 logits,
+    ~1% of a decoding step; the op ~7)."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.numel() == 0:
+        return logits.argmax(-1)
+    ops = cpu_extension()
+    if ops is None:
+        return logits.argmax(-1)
+    return ops.argmax_rows(logits.contiguous()).view(logits.shape[:-1])
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -198,3 +198,26 @@ def test_fused_attention_matches_softmax_and_rows_do_not_interact(b, n, hq, hkv,
             assert torch.equal(one[:, 0], out[:, i])
         else:
             torch.testing.assert_close(one[:, 0], out[:, i], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 151936), (8, 4099), (3, 49152), (1, 1), (2, 17), (1, 33)])
+def test_argmax_rows_is_torch_argmax(shape):
+    """ops.argmax_rows (greedy picks): torch.argmax's index on random rows, ties (the first wins), a NaN (the first
+    NaN wins), all -inf / +inf, -0.0 beside 0.0; and sampling.greedy takes it."""
+    from selfspec.kernels.build import cpu_extension
+    from selfspec.sampling import greedy
+
+    ops = cpu_extension()
+    g = torch.Generator().manual_seed(shape[1])
+    for _ in range(4):
+        x = torch.randn(*shape, generator=g)
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+        x[:, -1] = x.max(-1).values
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+        x[0, int(torch.randint(0, shape[1], (1,), generator=g))] = float("nan")
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+        assert torch.equal(greedy(x), x.argmax(-1)) and greedy(x[0]).shape == ()
+    for fill in (float("-inf"), float("inf"), 0.0):
+        x = torch.full(shape, fill)
+        x[:, shape[1] // 2] = -0.0 if fill == 0.0 else fill
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1))

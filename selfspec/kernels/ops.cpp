@@ -276,6 +276,8 @@ inline dvec dmul(dvec a, dvec b) { return _mm512_mul_ps(a, b); }
 inline dvec dadd(dvec a, dvec b) { return _mm512_add_ps(a, b); }
 inline dvec dsub(dvec a, dvec b) { return _mm512_sub_ps(a, b); }
 inline dvec dmax(dvec a, dvec b) { return _mm512_max_ps(a, b); }
+inline bool dany_eq(dvec a, dvec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ) != 0; }  // a lane a == b
+inline bool dany_nan(dvec a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }  // a NaN lane
 inline dvec dsel(dvec keep, dvec alt, dvec j, float hi) {  // keep where 0 <= j <= hi (exact small integers), else alt
   const __mmask16 m = _mm512_cmp_ps_mask(j, dzero(), _CMP_GE_OQ) & _mm512_cmp_ps_mask(j, dset1(hi), _CMP_LE_OQ);
   return _mm512_mask_mov_ps(alt, m, keep);
@@ -292,6 +294,8 @@ inline dvec dmul(dvec a, dvec b) { return _mm256_mul_ps(a, b); }
 inline dvec dadd(dvec a, dvec b) { return _mm256_add_ps(a, b); }
 inline dvec dsub(dvec a, dvec b) { return _mm256_sub_ps(a, b); }
 inline dvec dmax(dvec a, dvec b) { return _mm256_max_ps(a, b); }
+inline bool dany_eq(dvec a, dvec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)) != 0; }
+inline bool dany_nan(dvec a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
 inline dvec dsel(dvec keep, dvec alt, dvec j, float hi) {
   const __m256 m = _mm256_and_ps(_mm256_cmp_ps(j, dzero(), _CMP_GE_OQ), _mm256_cmp_ps(j, dset1(hi), _CMP_LE_OQ));
   return _mm256_blendv_ps(alt, keep, m);
@@ -503,6 +507,46 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return y;
 }
 
+// Each row's argmax of x [M, N] float32 -> int64 [M]: the first index of the largest value, or of the first NaN
+// when the row has one: torch.argmax's answer, in one pass of lane-wise maxima and one to find its index
+// (torch.argmax took 85 us over Qwen2.5's 151,936 logits, ~1% of a decoding step; this ~10).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "x: [..., N] with N > 0");
+  const int64_t N = x.size(-1), M = x.numel() / N;
+  auto out = torch::empty({M}, x.options().dtype(torch::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+#pragma omp parallel for schedule(static) if (M * N >= (int64_t{1} << 20))
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = xp + m * N;
+    dvec mx = dset1(-INFINITY);
+    bool nan = false;
+    int64_t i = 0;
+    for (; i + DL <= N; i += DL) {  // max(v, mx) is mx where v is NaN: NaNs are found apart
+      const dvec v = dload(r + i);
+      mx = dmax(v, mx);
+      nan |= dany_nan(v);
+    }
+    float best = hmax(mx);
+    for (; i < N; ++i) {
+      best = r[i] > best ? r[i] : best;
+      nan |= r[i] != r[i];
+    }
+    int64_t at = 0;  // the first NaN, else the first largest value
+    if (nan) {
+      while (at + DL <= N && !dany_nan(dload(r + at))) at += DL;
+      while (r[at] == r[at]) ++at;
+    } else {
+      const dvec b = dset1(best);
+      while (at + DL <= N && !dany_eq(dload(r + at), b)) at += DL;
+      while (r[at] != best) ++at;
+    }
+    op[m] = at;
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every op releases the GIL while it runs, so two Python threads (the one-device pipeline,
   // selfspec.pipeline) run their layers at the same time.
@@ -512,6 +556,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qkv", &rope_qkv, "rotary on q and k of a fused qkv; k, v written into the cache; returns q", nogil);
   m.def("attention", &attention, "causal grouped-query attention of new queries over the cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
+  m.def("argmax_rows", &argmax_rows, "each row's argmax over the last dim (torch.argmax's index)", nogil);
   m.def("qlinear", &qlinear, "y = x @ W^T (+ bias) (+= into out) with a block-quantized packed weight", nogil);
   m.def("qlinear_i8", &qlinear_i8, "qlinear with activations rounded to 8 bits per group (int8 numerics)", nogil);
   m.def("qgemm", &qgemm, "qlinear for many rows (a prefill): panels of the weight dequantized once", nogil);

@@ -32,6 +32,7 @@ from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Norm, Rotary, Segment
 from selfspec.quant.modules import is_quantized, weight_rows
 from selfspec.quant.screen import ScreenedArgmax
+from selfspec.sampling import greedy
 
 BACKENDS = ("fast", "reference")
 
@@ -280,7 +281,7 @@ class SplitModel:
             ids = self.screen.argmax(x.reshape(rows, x.shape[-1]).float())
             if ids is not None:
                 return ids.view(x.shape[:-1])
-        return self.head_logits(x).argmax(-1)
+        return greedy(self.head_logits(x))
 
     def forward_all(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Plain full forward of new tokens (all layers), returning the final hidden states."""
