@@ -21,7 +21,7 @@ import torch
 from selfspec.paths import cache_root
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "quant.cpp", "ops.cpp", "step.cpp")]
-_HEADERS = [Path(__file__).with_name("kernels.h")]  # part of what the build is made of (its tag), not compiled alone
+_HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h")]  # part of what the build is made of (its tag), not compiled alone
 
 
 def _isa_flags() -> list[str]:

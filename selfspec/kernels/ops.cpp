@@ -9,7 +9,6 @@
 //   keys   # [B, hkv, capacity, d]        the static cache of one layer (values alike)
 //   cos    # [B, n, rot]                  rotary tables (rot <= d: partial rotary leaves the rest)
 #include <torch/extension.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "simd.h"
 
 namespace {
 // Rows from which the row-wise ops (norm, rotary, silu) split their rows over the threads: a prefill's hundreds
@@ -135,11 +135,7 @@ inline void exp_inplace(float* __restrict x, int64_t n) {
 // LANES is one vector: 16 floats on AVX-512, 8 on AVX2 (where 16 lanes cost two vectors, and a single step's rows,
 // the query heads of one key/value head, 3 on SmolLM2 and 7 on Qwen2.5-0.5B, left most of them idle). One width per
 // build, so a row's arithmetic never depends on the block it came in.
-#if defined(__AVX512F__)
-constexpr int64_t LANES = 16;
-#else
-constexpr int64_t LANES = 8;
-#endif
+constexpr int64_t LANES = simd::VL;
 
 static void attend(const float* __restrict qp, const float* __restrict kp, const float* __restrict vp, float* __restrict op,
                    int64_t B, int64_t n, int64_t hq, int64_t d, int64_t hkv, int64_t cap, int64_t start, int64_t window,
@@ -248,10 +244,10 @@ static void attend(const float* __restrict qp, const float* __restrict kp, const
 // The kernel above puts the query rows of a key/value head in the lanes, so a single step's few rows (3 on
 // SmolLM2-135M, 7 on Qwen2.5-0.5B) left most lanes idle for every key and head dimension: 35-39 GFLOP/s on the
 // 135M model, whose attention over 1,024 tokens of context then cost 61 us a layer, 40% of its decoding step
-// (AMD Zen 5, 2 threads). Here a key's score is its q * k products over the head dimension in lanes, DL keys'
-// vectors summed across their lanes by one fixed tree of horizontal adds (sum_lanes), so a block of DL keys
+// (AMD Zen 5, 2 threads). Here a key's score is its q * k products over the head dimension in lanes, VL keys'
+// vectors summed across their lanes by one fixed tree of horizontal adds (sum_lanes), so a block of VL keys
 // comes out as one vector of scores; the softmax runs over those vectors; the weighted values accumulate with
-// the head dimension in lanes (two accumulators: even and odd keys). Blocks start at multiples of DL and a
+// the head dimension in lanes (two accumulators: even and odd keys). Blocks start at multiples of VL and a
 // row's arithmetic depends only on its own key range, so a block of n queries still gives bitwise the rows of n
 // single-query calls (what the int8 mode relies on). Prefills (more rows) keep the kernel above: every lane a
 // live row, faster there.
@@ -264,41 +260,29 @@ constexpr int64_t DECODE_ROWS = 16;
 // Query heads per key/value head up to which decoding blocks take this kernel (a model's choice, never a block's:
 // a block's rows and single steps must take the same one). The kernel above fills n x group lanes of a vector.
 constexpr int64_t DECODE_GROUP = 4;
+using simd::bcast;
+using simd::fma;
+using simd::loadf;
+using simd::storef;
+using simd::vf;
+using simd::VL;  // lanes: keys per block, head-dimension floats per vector
 #if defined(__AVX512F__)
-constexpr int DL = 16;  // lanes: keys per block, head-dimension floats per vector
-typedef __m512 dvec;
-inline dvec dload(const float* p) { return _mm512_loadu_ps(p); }
-inline void dstore(float* p, dvec v) { _mm512_storeu_ps(p, v); }
-inline dvec dset1(float v) { return _mm512_set1_ps(v); }
-inline dvec dzero() { return _mm512_setzero_ps(); }
-inline dvec dfma(dvec a, dvec b, dvec c) { return _mm512_fmadd_ps(a, b, c); }
-inline dvec dmul(dvec a, dvec b) { return _mm512_mul_ps(a, b); }
-inline dvec dadd(dvec a, dvec b) { return _mm512_add_ps(a, b); }
-inline dvec dsub(dvec a, dvec b) { return _mm512_sub_ps(a, b); }
-inline dvec dmax(dvec a, dvec b) { return _mm512_max_ps(a, b); }
-inline bool dany_eq(dvec a, dvec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ) != 0; }  // a lane a == b
-inline bool dany_nan(dvec a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }  // a NaN lane
-inline dvec dsel(dvec keep, dvec alt, dvec j, float hi) {  // keep where 0 <= j <= hi (exact small integers), else alt
-  const __mmask16 m = _mm512_cmp_ps_mask(j, dzero(), _CMP_GE_OQ) & _mm512_cmp_ps_mask(j, dset1(hi), _CMP_LE_OQ);
-  return _mm512_mask_mov_ps(alt, m, keep);
+inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }  // b where a is NaN
+inline bool any_eq(vf a, vf b) { return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_EQ_OQ) != 0; }
+inline bool any_nan(vf a) { return _mm512_cmp_ps_mask((__m512)a, (__m512)a, _CMP_UNORD_Q) != 0; }
+inline vf in_range(vf keep, vf alt, vf j, float hi) {  // keep where 0 <= j <= hi (exact small integers), else alt
+  const __mmask16 m = _mm512_cmp_ps_mask((__m512)j, _mm512_setzero_ps(), _CMP_GE_OQ) &
+                      _mm512_cmp_ps_mask((__m512)j, (__m512)bcast(hi), _CMP_LE_OQ);
+  return (vf)_mm512_mask_mov_ps((__m512)alt, m, (__m512)keep);
 }
 #else
-constexpr int DL = 8;
-typedef __m256 dvec;
-inline dvec dload(const float* p) { return _mm256_loadu_ps(p); }
-inline void dstore(float* p, dvec v) { _mm256_storeu_ps(p, v); }
-inline dvec dset1(float v) { return _mm256_set1_ps(v); }
-inline dvec dzero() { return _mm256_setzero_ps(); }
-inline dvec dfma(dvec a, dvec b, dvec c) { return _mm256_fmadd_ps(a, b, c); }
-inline dvec dmul(dvec a, dvec b) { return _mm256_mul_ps(a, b); }
-inline dvec dadd(dvec a, dvec b) { return _mm256_add_ps(a, b); }
-inline dvec dsub(dvec a, dvec b) { return _mm256_sub_ps(a, b); }
-inline dvec dmax(dvec a, dvec b) { return _mm256_max_ps(a, b); }
-inline bool dany_eq(dvec a, dvec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)) != 0; }
-inline bool dany_nan(dvec a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
-inline dvec dsel(dvec keep, dvec alt, dvec j, float hi) {
-  const __m256 m = _mm256_and_ps(_mm256_cmp_ps(j, dzero(), _CMP_GE_OQ), _mm256_cmp_ps(j, dset1(hi), _CMP_LE_OQ));
-  return _mm256_blendv_ps(alt, keep, m);
+inline vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+inline bool any_eq(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_EQ_OQ)) != 0; }
+inline bool any_nan(vf a) { return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)a, _CMP_UNORD_Q)) != 0; }
+inline vf in_range(vf keep, vf alt, vf j, float hi) {
+  const __m256 m = _mm256_and_ps(_mm256_cmp_ps((__m256)j, _mm256_setzero_ps(), _CMP_GE_OQ),
+                                 _mm256_cmp_ps((__m256)j, (__m256)bcast(hi), _CMP_LE_OQ));
+  return (vf)_mm256_blendv_ps((__m256)alt, (__m256)keep, m);
 }
 #endif
 
@@ -310,24 +294,25 @@ inline __m256 sum_lanes8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// DL vectors' lane sums as one vector, lane u = the sum of key u's lanes, the keys' vectors given in the tree's
+// VL vectors' lane sums as one vector, lane u = the sum of key u's lanes, the keys' vectors given in the tree's
 // order: a[(u >> 2) + 4 (u & 3)] is key u's (AVX-512; AVX2: a[u]). Four levels of two shuffles and an add.
-inline dvec sum_lanes(const dvec* a) {
+inline vf sum_lanes(const vf* a) {
 #if defined(__AVX512F__)
   __m512 q[8], r[4], s[2];
   for (int i = 0; i < 8; ++i)  // [a 2i halves summed | a 2i+1 halves summed]
-    q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    q[i] = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a[2 * i], (__m512)a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4((__m512)a[2 * i], (__m512)a[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)  // quarters: four vectors' partial sums of four
     r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0xDD));
   for (int i = 0; i < 2; ++i)  // per quarter: two vectors' partial sums of two
     s[i] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return (vf)_mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
 #else
-  return sum_lanes8(a);
+  const __m256* h = reinterpret_cast<const __m256*>(a);  // vf is __m256's layout on AVX2 builds
+  return (vf)sum_lanes8(h);
 #endif
 }
 #if defined(__AVX512F__)
@@ -336,99 +321,99 @@ inline int tree_slot(int u) { return (u >> 2) + 4 * (u & 3); }
 inline int tree_slot(int u) { return u; }
 #endif
 
-inline float hmax(dvec v) {
-  alignas(64) float t[DL];
-  dstore(t, v);
+inline float hmax(vf v) {
+  alignas(64) float t[VL];
+  storef(t, v);
   float m = t[0];
-  for (int i = 1; i < DL; ++i) m = std::max(m, t[i]);
+  for (int i = 1; i < VL; ++i) m = std::max(m, t[i]);
   return m;
 }
 
-inline float hsum(dvec v) {  // a fixed order: lanes 0, 1, ... in turn
-  alignas(64) float t[DL];
-  dstore(t, v);
+inline float hsum(vf v) {  // a fixed order: lanes 0, 1, ... in turn
+  alignas(64) float t[VL];
+  storef(t, v);
   float s = t[0];
-  for (int i = 1; i < DL; ++i) s += t[i];
+  for (int i = 1; i < VL; ++i) s += t[i];
   return s;
 }
 
-// One query row q [NV DL] against keys / values [cap, NV DL], keys lo .. hi -> out [NV DL].
-// e: scratch of at least hi - lo + 2 DL floats.
+// One query row q [NV VL] against keys / values [cap, NV VL], keys lo .. hi -> out [NV VL].
+// e: scratch of at least hi - lo + 2 VL floats.
 template <int NV>
 void attend_row(const float* __restrict q, const float* __restrict K, const float* __restrict V, int64_t lo,
                 int64_t hi, float sc, float* __restrict e, float* __restrict out) {
-  constexpr int64_t D = NV * DL;
-  const int64_t j0 = lo - lo % DL;
-  alignas(64) float iota[DL];
-  for (int u = 0; u < DL; ++u) iota[u] = static_cast<float>(u);
-  const dvec lanes = dload(iota), neg = dset1(-INFINITY), scale = dset1(sc);
+  constexpr int64_t D = NV * VL;
+  const int64_t j0 = lo - lo % VL;
+  alignas(64) float iota[VL];
+  for (int u = 0; u < VL; ++u) iota[u] = static_cast<float>(u);
+  const vf lanes = loadf(iota), neg = bcast(-INFINITY), scale = bcast(sc);
   const float span = static_cast<float>(hi - lo);
-  dvec qv[NV];
-  for (int c = 0; c < NV; ++c) qv[c] = dload(q + c * DL);
-  dvec mx = neg;
-  for (int64_t jb = j0; jb <= hi; jb += DL) {  // scores, -inf outside lo .. hi
-    dvec part[DL];
-    for (int u = 0; u < DL; ++u) {
+  vf qv[NV];
+  for (int c = 0; c < NV; ++c) qv[c] = loadf(q + c * VL);
+  vf mx = neg;
+  for (int64_t jb = j0; jb <= hi; jb += VL) {  // scores, -inf outside lo .. hi
+    vf part[VL];
+    for (int u = 0; u < VL; ++u) {
       const int64_t j = jb + u;
       if (j < lo || j > hi) {
-        part[tree_slot(u)] = dzero();
+        part[tree_slot(u)] = vf{};
         continue;
       }
       const float* k = K + j * D;
-      dvec s = dmul(qv[0], dload(k));
-      for (int c = 1; c < NV; ++c) s = dfma(qv[c], dload(k + c * DL), s);
+      vf s = qv[0] * loadf(k);
+      for (int c = 1; c < NV; ++c) s = fma(qv[c], loadf(k + c * VL), s);
       part[tree_slot(u)] = s;
     }
-    const dvec s = dsel(dmul(sum_lanes(part), scale), neg, dadd(dset1(static_cast<float>(jb - lo)), lanes), span);
-    dstore(e + (jb - j0), s);
-    mx = dmax(mx, s);
+    const vf s = in_range(sum_lanes(part) * scale, neg, bcast(static_cast<float>(jb - lo)) + lanes, span);
+    storef(e + (jb - j0), s);
+    mx = vmax(mx, s);
   }
   const float m = hmax(mx);
-  dvec tot = dzero();
-  for (int64_t jb = j0; jb <= hi; jb += DL) {  // e^(s - max), 0 for masked keys; x < -87 gives e^-87
+  vf tot = vf{};
+  for (int64_t jb = j0; jb <= hi; jb += VL) {  // e^(s - max), 0 for masked keys; x < -87 gives e^-87
     float* ej = e + (jb - j0);
-    alignas(64) float x[DL];
-    dstore(x, dmax(dsub(dload(ej), dset1(m)), dset1(-87.f)));
-    exp_inplace(x, DL);
-    const dvec p = dsel(dload(x), dzero(), dadd(dset1(static_cast<float>(jb - lo)), lanes), span);
-    dstore(ej, p);
-    tot = dadd(tot, p);
+    alignas(64) float x[VL];
+    storef(x, vmax(loadf(ej) - bcast(m), bcast(-87.f)));
+    exp_inplace(x, VL);
+    const vf p = in_range(loadf(x), vf{}, bcast(static_cast<float>(jb - lo)) + lanes, span);
+    storef(ej, p);
+    tot = tot + p;
   }
-  const dvec inv = dset1(1.f / hsum(tot));
-  dvec a0[NV], a1[NV];  // even and odd keys
-  for (int c = 0; c < NV; ++c) a0[c] = a1[c] = dzero();
+  const vf inv = bcast(1.f / hsum(tot));
+  vf a0[NV], a1[NV];  // even and odd keys
+  for (int c = 0; c < NV; ++c) a0[c] = a1[c] = vf{};
   const float* p = e + (lo - j0);
   int64_t j = lo;
   if (j & 1) {
-    const dvec w = dset1(p[0]);
-    for (int c = 0; c < NV; ++c) a1[c] = dfma(w, dload(V + j * D + c * DL), a1[c]);
+    const vf w = bcast(p[0]);
+    for (int c = 0; c < NV; ++c) a1[c] = fma(w, loadf(V + j * D + c * VL), a1[c]);
     ++j;
   }
   for (; j + 1 <= hi; j += 2) {
-    const dvec w0 = dset1(p[j - lo]), w1 = dset1(p[j + 1 - lo]);
+    const vf w0 = bcast(p[j - lo]), w1 = bcast(p[j + 1 - lo]);
     const float* v0 = V + j * D;
     for (int c = 0; c < NV; ++c) {
-      a0[c] = dfma(w0, dload(v0 + c * DL), a0[c]);
-      a1[c] = dfma(w1, dload(v0 + D + c * DL), a1[c]);
+      a0[c] = fma(w0, loadf(v0 + c * VL), a0[c]);
+      a1[c] = fma(w1, loadf(v0 + D + c * VL), a1[c]);
     }
   }
   if (j <= hi) {
-    const dvec w = dset1(p[j - lo]);
-    for (int c = 0; c < NV; ++c) a0[c] = dfma(w, dload(V + j * D + c * DL), a0[c]);
+    const vf w = bcast(p[j - lo]);
+    for (int c = 0; c < NV; ++c) a0[c] = fma(w, loadf(V + j * D + c * VL), a0[c]);
   }
-  for (int c = 0; c < NV; ++c) dstore(out + c * DL, dmul(dadd(a0[c], a1[c]), inv));
+  for (int c = 0; c < NV; ++c) storef(out + c * VL, (a0[c] + a1[c]) * inv);
 }
 
-// attend for n <= DECODE_ROWS and a head dimension of NV * DL: work items are query rows (b, kv head, row).
+// attend for n <= DECODE_ROWS and a head dimension of NV * VL: work items are query rows (b, kv head, row).
 template <int NV>
 void attend_decode(const float* __restrict qp, const float* __restrict kp, const float* __restrict vp,
                    float* __restrict op, int64_t B, int64_t n, int64_t hq, int64_t hkv, int64_t cap, int64_t start,
                    int64_t window, float sc) {
-  constexpr int64_t d = NV * DL;
+  constexpr int64_t d = NV * VL;
   const int64_t group = hq / hkv, rows = group * n, len = start + n;
 #pragma omp parallel
   {
-    std::vector<float> e(len + 2 * DL);
+    std::vector<float> e(len + 2 * VL);
 #pragma omp for collapse(3) schedule(static)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < hkv; ++g)
@@ -448,8 +433,8 @@ void attend_decode(const float* __restrict qp, const float* __restrict kp, const
 static bool attend_decode_any(const float* qp, const float* kp, const float* vp, float* op, int64_t B, int64_t n,
                               int64_t hq, int64_t d, int64_t hkv, int64_t cap, int64_t start, int64_t window,
                               float sc) {
-  if (n > DECODE_ROWS || d % DL != 0 || hq / hkv > DECODE_GROUP) return false;
-  switch (d / DL) {
+  if (n > DECODE_ROWS || d % VL != 0 || hq / hkv > DECODE_GROUP) return false;
+  switch (d / VL) {
 #define SELFSPEC_NV(k) \
   case k: attend_decode<k>(qp, kp, vp, op, B, n, hq, hkv, cap, start, window, sc); return true;
     SELFSPEC_NV(1) SELFSPEC_NV(2) SELFSPEC_NV(3) SELFSPEC_NV(4) SELFSPEC_NV(5) SELFSPEC_NV(6) SELFSPEC_NV(7)
@@ -520,13 +505,13 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 #pragma omp parallel for schedule(static) if (M * N >= (int64_t{1} << 20))
   for (int64_t m = 0; m < M; ++m) {
     const float* r = xp + m * N;
-    dvec mx = dset1(-INFINITY);
+    vf mx = bcast(-INFINITY);
     bool nan = false;
     int64_t i = 0;
-    for (; i + DL <= N; i += DL) {  // max(v, mx) is mx where v is NaN: NaNs are found apart
-      const dvec v = dload(r + i);
-      mx = dmax(v, mx);
-      nan |= dany_nan(v);
+    for (; i + VL <= N; i += VL) {  // max(v, mx) is mx where v is NaN: NaNs are found apart
+      const vf v = loadf(r + i);
+      mx = vmax(v, mx);
+      nan |= any_nan(v);
     }
     float best = hmax(mx);
     for (; i < N; ++i) {
@@ -535,11 +520,11 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     }
     int64_t at = 0;  // the first NaN, else the first largest value
     if (nan) {
-      while (at + DL <= N && !dany_nan(dload(r + at))) at += DL;
+      while (at + VL <= N && !any_nan(loadf(r + at))) at += VL;
       while (r[at] == r[at]) ++at;
     } else {
-      const dvec b = dset1(best);
-      while (at + DL <= N && !dany_eq(dload(r + at), b)) at += DL;
+      const vf b = bcast(best);
+      while (at + VL <= N && !any_eq(loadf(r + at), b)) at += VL;
       while (r[at] != best) ++at;
     }
     op[m] = at;

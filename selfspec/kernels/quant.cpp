@@ -48,41 +48,21 @@
 #include <vector>
 
 #include "kernels.h"
+#include "simd.h"
 
 namespace {
 
+using simd::bcast;
+using simd::fma;
+using simd::loadf;
+using simd::vf;
+// lanes per vector (simd.h): on AVX-512 a block's 16 rows are one register, on AVX2 two (halves h = 0, 1)
+using simd::VL;
+
 constexpr int L = 16;  // output rows per block
-#if defined(__AVX512F__)
-constexpr int VL = 16;     // lanes per vector: a block's 16 rows are one register
-#else
-constexpr int VL = 8;      // AVX2: a block's 16 rows are two registers (halves h = 0, 1)
-#endif
 constexpr int MCMAX = 8;   // x-rows per tile (16 measured slower on AVX-512: 16 row pointers spill; AVX2: tile_halves)
 constexpr int NV = L / VL;  // vectors per block row
-typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
-
-inline vf loadf(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline vf bcast(float v) {  // (vf{} + v would add a zero: -0.0 + 0.0 is +0.0, so it is not dropped)
-#if defined(__AVX512F__)
-  return (vf)_mm512_set1_ps(v);
-#else
-  return (vf)_mm256_set1_ps(v);
-#endif
-}
-
-inline vf fma(vf a, vf b, vf c) {  // a * b + c, rounded once
-#if defined(__AVX512F__)
-  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#else
-  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#endif
-}
 
 inline vi widen(const uint8_t* p) {  // VL bytes -> VL int32 (vpmovzxbd; GCC's generic conversion inserts bytewise)
 #if defined(__AVX512F__)
