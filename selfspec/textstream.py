@@ -31,13 +31,14 @@ class TextStream:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _advance(self) -> str:
-        """``text`` with the new ids' final text appended (see the module's docstring); -> the whole text."""
+    def _advance(self, final: bool = False) -> str:
+        """``text`` with the new ids' final text appended (see the module's docstring; ``final``: at the end of
+        generation, an unfinished character too, as its U+FFFD); -> the whole text."""
         before = self._decode(self.ids[self.prefix : self.read])
         window = self._decode(self.ids[self.prefix :])
         if not window.startswith(before):  # a tokenizer whose text is not prefix-stable here: decode it all
             self.text, self.prefix, self.read = self._decode(self.ids), len(self.ids), len(self.ids)
-        elif len(window) > len(before) and not window.endswith("\ufffd"):
+        elif len(window) > len(before) and (final or not window.endswith("\ufffd")):
             self.text += window[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
         return self.text
@@ -76,8 +77,6 @@ class TextStream:
         """At the end of generation: whatever was held back (an unfinished stop-string prefix is text, an
         unfinished character its U+FFFD, as the whole text's decoding has them)."""
         if not self.stopped and self.read < len(self.ids):
-            before = self._decode(self.ids[self.prefix : self.read])
-            self.text += self._decode(self.ids[self.prefix :])[len(before) :]
-            self.prefix = self.read = len(self.ids)
+            self._advance(final=True)
         delta, self.sent = self.text[self.sent :], len(self.text)
         return delta
