@@ -117,11 +117,18 @@ class DraftConfig:
 
     lookup: int = opt(
         8,
-        "Most lookup drafts per step: the continuation of the latest earlier occurrence of the text's last "
-        "n-gram (prompt lookup decoding), proposed instead of the early-exit draft when there is one; "
-        "0: off. With gamma=None the length is chosen from measured costs and lookup acceptance.",
+        "Most lookup drafts per step: the continuation of an earlier occurrence of the text's last n-gram (prompt "
+        "lookup decoding; of its recent occurrences the one matching furthest back), proposed instead of the "
+        "early-exit draft when there is one; 0: off. With gamma=None the length is chosen from measured costs and "
+        "the lookup acceptance seen after matches of the same length.",
     )
     lookup_ngram: int = opt(3, "Longest n-gram matched for lookup drafts (down to 2).")
+    lookup_match: bool = opt(
+        True,
+        "Lookup drafts by match length: of a trailing n-gram's recent occurrences take the one whose match "
+        "reaches furthest back, and size its block by the acceptance seen after matches of that length "
+        "(docs/ADAPTIVE.md). False: the latest occurrence, one learned length for every match.",
+    )
     head_context: int | None = opt(
         32,
         "A stateful head (kangaroo, layer, deep) runs its own layer over every row it has not seen before it drafts: "

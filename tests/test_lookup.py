@@ -8,7 +8,9 @@ import torch
 from conftest import ARCHS, VOCAB, hf_greedy, tiny_model
 
 from selfspec import DraftConfig, SelfSpec
-from selfspec.drafting.lookup import NgramIndex
+from selfspec.drafting import lookup
+from selfspec.drafting.lookup import NgramIndex, common_suffix
+from selfspec.drafting.policies import ByMatchLength, FixedPolicy
 
 
 def test_ngram_index_worked_example():
@@ -24,8 +26,25 @@ def test_ngram_index_worked_example():
 
 def test_longest_ngram_wins():
     toks = [1, 2, 3, 8, 5, 2, 3, 9, 1, 2, 3]  # [1 2 3] -> 8 (trigram) though [2 3] -> 9 is more recent
-    assert NgramIndex(toks, ngram=3).continuation(1) == [8]
-    assert NgramIndex(toks, ngram=2).continuation(1) == [9]
+    assert NgramIndex(toks, ngram=3).match(1) == ([8], 3)
+    # matched by its last 2 tokens, the occurrence that matches furthest back still wins
+    assert NgramIndex(toks, ngram=2).match(1) == ([8], 3)
+    assert NgramIndex(toks, ngram=2, longest=False).match(1) == ([9], 2)  # DraftConfig(lookup_match=False)
+
+
+def test_match_length_ties_and_recent_occurrences():
+    toks = [4, 2, 3, 8, 4, 2, 3, 9, 6, 2, 3, 7, 5, 4, 2, 3]
+    # [2 3] ends at 2, 6 and 10; the first two match [4 2 3] (length 3; 4 is preceded by nothing and by 8), the
+    # latest of those continues with 9
+    assert NgramIndex(toks, ngram=2).match(2) == ([9, 6], 3)
+    assert common_suffix(toks, 2) == 3 and common_suffix(toks, 10) == 2 and common_suffix(toks, 6) == 3
+    assert common_suffix(toks, 6, cap=2) == 2
+    long = [1, 2, 3, 4, 5, 6] * 3
+    assert NgramIndex(long, ngram=3).match(3) == ([1, 2, 3], 12)  # the latest full period matches 12 tokens back
+    # only the RECENT latest occurrences are kept: the one long match before them is out of reach
+    text = [9, 1, 5] + [x for i in range(lookup.RECENT) for x in (7, 1, 5, 6 + i % 2)] + [9, 1, 5]
+    assert NgramIndex(text, ngram=2).match(1).length == 2
+    assert NgramIndex([3, 4], ngram=2).match(4) == ([], 0) and NgramIndex([], ngram=2).match(4) == ([], 0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -43,7 +62,7 @@ def test_lookup_drafts_are_lossless(arch, monkeypatch):
     calls = []
 
     class Oracle:
-        def __init__(self, tokens: list[int], ngram: int) -> None:
+        def __init__(self, tokens: list[int], ngram: int, **kw: object) -> None:
             self.tokens = tokens
 
         def continuation(self, n: int) -> list[int]:
@@ -54,6 +73,10 @@ def test_lookup_drafts_are_lossless(arch, monkeypatch):
             if 0 < bad <= len(out):
                 out[bad - 1] = (out[bad - 1] + 1) % VOCAB
             return out if len(calls) % 5 else []  # every fifth step: no match (early-exit draft)
+
+        def match(self, n: int) -> lookup.Match:
+            out = self.continuation(n)
+            return lookup.Match(out, 2 if out else 0)
 
     monkeypatch.setattr(ee, "NgramIndex", Oracle)
     for k, gamma in ((1, 2), (3, 4)):
@@ -93,7 +116,7 @@ def test_lookup_blocks_after_a_whole_acceptance_learn_apart(monkeypatch):
     calls: list[int] = []
 
     class Oracle:
-        def __init__(self, tokens: list[int], ngram: int) -> None:
+        def __init__(self, tokens: list[int], ngram: int, **kw: object) -> None:
             self.tokens = tokens
 
         def continuation(self, n: int) -> list[int]:
@@ -104,12 +127,17 @@ def test_lookup_blocks_after_a_whole_acceptance_learn_apart(monkeypatch):
                 out[-1] = (out[-1] + 1) % VOCAB
             return out if len(calls) % 7 else []
 
+        def match(self, n: int) -> lookup.Match:  # every match 2 tokens long: one bucket of each ByMatchLength
+            out = self.continuation(n)
+            return lookup.Match(out, 2 if out else 0)
+
     monkeypatch.setattr(ee, "NgramIndex", Oracle)
     ss.set_draft(DraftConfig(exit_layer=1, head="lm", gamma=None, tune="off", lookup=5))
     drafter = ss.engine.drafter
     assert drafter.lookup_streak_policy is not None and drafter.lookup_streak_policy is not drafter.lookup_policy
     log: list[tuple[str, int, int]] = []
-    for name, policy in (("lookup", drafter.lookup_policy), ("streak", drafter.lookup_streak_policy),
+    assert isinstance(drafter.lookup_policy, ByMatchLength) and isinstance(drafter.lookup_streak_policy, ByMatchLength)
+    for name, policy in (("lookup", drafter.lookup_policy.of(2)), ("streak", drafter.lookup_streak_policy.of(2)),
                          ("early", drafter.policy)):
         def spy(proposed, accepted, _name=name, _observe=policy.observe):
             log.append((_name, proposed, accepted))
@@ -122,3 +150,60 @@ def test_lookup_blocks_after_a_whole_acceptance_learn_apart(monkeypatch):
         if name != "early":
             whole = prev in ("lookup", "streak") and p_acc == p_prop > 0
             assert (name == "streak") == whole, log
+
+
+def test_by_match_length_buckets():
+    made: list[FixedPolicy] = []
+    table = ByMatchLength(lambda: made.append(FixedPolicy()) or made[-1])
+    buckets = {n: table.bucket(n) for n in (0, 1, 2, 3, 4, 5, 6, 8, 9, 16, 17, 40)}
+    assert buckets == {0: 0, 1: 0, 2: 0, 3: 1, 4: 2, 5: 2, 6: 3, 8: 3, 9: 4, 16: 4, 17: 5, 40: 5}
+    assert table.of(4) is table.of(5) and table.of(4) is not table.of(6) and len(made) == 2
+
+
+def test_lookup_blocks_learn_by_match_length(monkeypatch):
+    """Lookup blocks are sized and learned by the policy of their match length's bucket (short and long matches
+    apart); the output stays the reference."""
+    import selfspec.drafting.early_exit as ee
+
+    model = tiny_model("llama")
+    ss = SelfSpec(model, None)
+    prompt = torch.randint(2, VOCAB, (9,), generator=torch.Generator().manual_seed(7)).tolist()
+    ref = hf_greedy(model, prompt, 40)
+    lengths: list[int] = []
+
+    class Oracle:
+        def __init__(self, tokens: list[int], ngram: int, **kw: object) -> None:
+            self.tokens = tokens
+
+        def match(self, n: int) -> lookup.Match:
+            done = len(self.tokens) - len(prompt)
+            out = list(ref[done : done + n])
+            lengths.append(2 if len(lengths) % 2 else 12)
+            if len(lengths) % 3 == 0 and len(out) > 1:
+                out[-1] = (out[-1] + 1) % VOCAB
+            return lookup.Match(out, lengths[-1]) if out else lookup.Match([], 0)
+
+        def continuation(self, n: int) -> list[int]:
+            return self.match(n).tokens
+
+    monkeypatch.setattr(ee, "NgramIndex", Oracle)
+    ss.set_draft(DraftConfig(exit_layer=1, head="lm", gamma=None, tune="off", lookup=5))
+    drafter = ss.engine.drafter
+    log: list[tuple[int, int]] = []  # (the block's match length, the bucket whose policy learned from it)
+    for table in (drafter.lookup_policy, drafter.lookup_streak_policy):
+        assert isinstance(table, ByMatchLength)
+        for n in (2, 12):
+            policy = table.of(n)
+
+            def spy(proposed, accepted, _b=table.bucket(n), _observe=policy.observe):
+                log.append((lengths[-1], _b))
+                _observe(proposed, accepted)
+            monkeypatch.setattr(policy, "observe", spy)
+    out = ss.generate(prompt, max_new_tokens=40)
+    assert out.token_ids == ref
+    assert {b for _, b in log} == {0, 4}
+    assert all(ByMatchLength(FixedPolicy).bucket(n) == b for n, b in log)
+    ss.set_draft(DraftConfig(exit_layer=1, head="lm", gamma=None, tune="off", lookup=5, lookup_match=False))
+    drafter = ss.engine.drafter
+    assert isinstance(drafter.lookup_policy, ByMatchLength) and drafter.lookup_policy.of(2) is drafter.lookup_policy.of(30)
+    assert drafter.lookup_longest is False

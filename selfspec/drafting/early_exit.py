@@ -32,7 +32,7 @@ import torch
 from selfspec.config import GenerateConfig
 from selfspec.drafting.base import BaseDrafter, DraftBlock, Drafter
 from selfspec.drafting.lookup import NgramIndex
-from selfspec.drafting.policies import DraftPolicy, FixedPolicy
+from selfspec.drafting.policies import ByMatchLength, DraftPolicy, FixedPolicy
 from selfspec.drafting.tree import TokenTree
 from selfspec.heads.base import ExitHead
 from selfspec.models.split import SplitModel
@@ -42,13 +42,16 @@ from selfspec.state import SequenceState
 
 class EarlyExitDrafter(BaseDrafter):
     def __init__(self, split: SplitModel, head: ExitHead, policy: DraftPolicy, lookup: int = 0,
-                 lookup_ngram: int = 3, lookup_policy: DraftPolicy | None = None, head_drafts: bool = True,
+                 lookup_ngram: int = 3, lookup_policy: DraftPolicy | ByMatchLength | None = None,
+                 head_drafts: bool = True,
                  catch_up_limit: float = math.inf, head_context: int | None = None,
-                 lookup_streak_policy: DraftPolicy | None = None) -> None:
+                 lookup_streak_policy: DraftPolicy | ByMatchLength | None = None, lookup_longest: bool = True) -> None:
         self.split, self.head, self.policy = split, head, policy
         self.exit_layer = head.exit_layer
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
-        self.lookup_policy: DraftPolicy = lookup_policy or FixedPolicy()
+        self.lookup_longest = lookup_longest  # the occurrence matching furthest back (else the latest; NgramIndex)
+        # ByMatchLength: one policy per bucket of match lengths (the block's ``lookup.Match.length``)
+        self.lookup_policy: DraftPolicy | ByMatchLength = lookup_policy or FixedPolicy()
         # The lookup blocks right after a lookup block that was accepted whole (the answer is copying a span of
         # the prompt) learn their own acceptance, and may run longer; None: one policy for every lookup block
         self.lookup_streak_policy = lookup_streak_policy
@@ -170,23 +173,27 @@ class EarlyExitDrafter(BaseDrafter):
         """The sequence's n-gram index (rebuilt when its token list was replaced)."""
         index = seq.extras.get("ngram")
         if index is None or index.tokens is not seq.tokens:
-            index = seq.extras["ngram"] = NgramIndex(seq.tokens, self.lookup_ngram)
+            index = seq.extras["ngram"] = NgramIndex(seq.tokens, self.lookup_ngram, longest=self.lookup_longest)
         return index
 
     def lookup_drafts(self, seq: SequenceState, limit: int) -> list[int]:
         """The lookup drafts a round would propose (at most ``limit``); empty when lookup is off or the text's
         last n-gram has no earlier occurrence. Runs no layers (a batch sends them in from the embeddings)."""
-        if self.lookup <= 0 or not seq.tokens:
+        if self.lookup <= 0 or not seq.tokens or limit <= 0:
             return []
-        policy = self.lookup_policy_of(seq)
-        return list(self._ngram_index(seq).continuation(min(limit, policy.max_drafts(self.lookup))))
+        found = self._ngram_index(seq).match(min(limit, self.lookup))
+        if not found.tokens:
+            return []
+        seq.extras["lookup_match"] = found.length  # the block's policy, here and when its verdict comes
+        return list(found.tokens[: self.lookup_policy_of(seq).max_drafts(self.lookup)])
 
     def lookup_policy_of(self, seq: SequenceState) -> DraftPolicy:
-        """The policy of ``seq``'s next lookup block: the streak's after a lookup block accepted whole, else the
-        lookup policy."""
+        """The policy of ``seq``'s lookup block: the streak's after a lookup block accepted whole, else the
+        lookup policy; by the block's match length when the policy is one per length (ByMatchLength)."""
+        table = self.lookup_policy
         if self.lookup_streak_policy is not None and seq.extras.get("lookup_streak"):
-            return self.lookup_streak_policy
-        return self.lookup_policy
+            table = self.lookup_streak_policy
+        return table.of(seq.extras.get("lookup_match", 0)) if isinstance(table, ByMatchLength) else table
 
     def _lookup(self, seq: SequenceState, limit: int) -> DraftBlock | None:
         """A block of lookup drafts, or None when the last n-gram has no earlier occurrence."""

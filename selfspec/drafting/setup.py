@@ -11,7 +11,15 @@ from typing import Any
 from selfspec.config import DraftConfig
 from selfspec.costs import DraftCosts
 from selfspec.drafting.early_exit import EarlyExitDrafter
-from selfspec.drafting.policies import CostAwarePolicy, DepthBandit, DraftPolicy, ThompsonPolicy, make_policy
+from selfspec.drafting.policies import (
+    MATCH_BOUNDS,
+    ByMatchLength,
+    CostAwarePolicy,
+    DepthBandit,
+    DraftPolicy,
+    ThompsonPolicy,
+    make_policy,
+)
 from selfspec.engine import MAX_TREE_NODES
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.base import ExitHead
@@ -73,7 +81,7 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     if tuning is not None and head.stateful:
         limit = catch_up_limit(ss.draft_costs(head, draft, head.exit_layer), tuning, ss.split.num_layers - head.exit_layer)
     drafter = EarlyExitDrafter(ss.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy, head_drafts,
-                               limit, draft.head_context, streak_policy)
+                               limit, draft.head_context, streak_policy, draft.lookup_match)
     return drafter, gamma, replace(draft, exit_layer=head.exit_layer, policy=name), tuning
 
 
@@ -97,13 +105,14 @@ def catch_up_limit(costs: DraftCosts, tuning: Tuning | None, deep_layers: int) -
 
 
 def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold: float,
-              tuning: Tuning | None) -> tuple[DraftPolicy, int, DraftPolicy | None, DraftPolicy | None]:
+              tuning: Tuning | None) -> tuple[DraftPolicy, int, ByMatchLength | None, ByMatchLength | None]:
     """(the drafts' policy, most drafts per round, the lookup drafts' policy or None, the policy of lookup blocks
     after one accepted whole or None) of ``draft`` (its tree width resolved: ``early_exit``)."""
     assert draft.tree_width is not None
     base = make_policy(name, threshold)
     policy: DraftPolicy = base
-    gamma, lookup_policy = draft.gamma, None
+    gamma = draft.gamma
+    lookup_policy: ByMatchLength | None = None
     if not (name.startswith("thompson") or gamma is None):
         return policy, gamma, None, None
     thompson = name.startswith("thompson")  # only a Thompson policy drafts at other depths (the bandit)
@@ -118,9 +127,13 @@ def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold:
     else:
         policy = CostAwarePolicy(base, shaped[k])
     streak_policy = None
-    if gamma is None:  # lookup blocks as long as the measured block costs and the lookup acceptance seen pay for
-        lookup_policy = CostAwarePolicy(make_policy("fixed"), costs[k].for_lookup(), prior=LOOKUP_PRIOR)
-        streak_policy = CostAwarePolicy(make_policy("fixed"), costs[k].for_lookup(), prior=LOOKUP_STREAK_PRIOR)
+    if gamma is None:  # lookup blocks as long as the measured block costs and the lookup acceptance seen pay for,
+        # learned apart per bucket of match lengths (a long match is a copied span that goes on)
+        lookup_costs, bounds = costs[k].for_lookup(), MATCH_BOUNDS if draft.lookup_match else ()
+        lookup_policy = ByMatchLength(lambda: CostAwarePolicy(make_policy("fixed"), lookup_costs, prior=LOOKUP_PRIOR),
+                                      bounds)
+        streak_policy = ByMatchLength(
+            lambda: CostAwarePolicy(make_policy("fixed"), lookup_costs, prior=LOOKUP_STREAK_PRIOR), bounds)
     if gamma is None:
         gamma = MAX_AUTO_GAMMA
         if draft.tree_width > 1:
