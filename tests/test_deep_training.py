@@ -13,7 +13,7 @@ import torch
 from conftest import hf_greedy, tiny_model, tiny_tokenizer
 
 from selfspec import DraftConfig, SelfSpec
-from selfspec.errors import ExitLayerError, InvalidConfigError
+from selfspec.errors import ExitLayerError, InvalidConfigError, ModelNotFoundError
 from selfspec.heads.io import load_head
 from selfspec.train.deep import DeepTrainConfig, train_deep_head
 from selfspec.train.features import (
@@ -162,6 +162,10 @@ def test_answer_prompts_are_the_targets_greedy_answers_and_resume(sharegpt_file,
     ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
     out = tmp_path / "own.json"
     cfg = AnswerConfig(out=str(out), source=str(sharegpt_file), max_new_tokens=8, max_conversations=2)
+    with pytest.raises(ModelNotFoundError, match="does not exist"):  # a missing source leaves no output behind
+        answer_prompts(ss, AnswerConfig(**{**cfg.__dict__, "source": str(tmp_path / "nope.json")}))
+    assert not out.exists()
+    out.write_text("")  # a run stopped before its first answer: resumed from nothing
     first = list(iter_records(out)) if answer_prompts(ss, cfg)["answers"] == 2 else None
     report = answer_prompts(ss, AnswerConfig(**{**cfg.__dict__, "max_conversations": 4}))
     recs = list(iter_records(out))

@@ -50,18 +50,18 @@ def answer_prompts(ss: Any, cfg: AnswerConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = list(iter_records(out)) if out.is_file() else []
-    tmp = out.with_suffix(".tmp")  # rewrite the complete records (drops a torn last one), then swap in:
-    with open(tmp, "w", encoding="utf-8") as f:  # a run killed here loses nothing
-        for i, rec in enumerate(done):
-            _write(f, rec, i == 0)
-    os.replace(tmp, out)
     seen = {r["id"] for r in done}
-    todo: list[tuple[str, str]] = []  # (conversation id, prompt)
+    todo: list[tuple[str, str]] = []  # (conversation id, prompt): read first, so a missing source writes nothing
     for cid, msgs in cfg.conversations(max_turns=2):
         if cfg.max_conversations and len(done) + len(todo) >= cfg.max_conversations:
             break
         if cid not in seen:
             todo.append((cid, msgs[0]["content"][: cfg.max_prompt_chars]))
+    tmp = out.with_suffix(".tmp")  # rewrite the complete records (drops a torn last one), then swap in:
+    with open(tmp, "w", encoding="utf-8") as f:  # a run killed here loses nothing
+        for i, rec in enumerate(done):
+            _write(f, rec, i == 0)
+    os.replace(tmp, out)
     t0, budget = time.perf_counter(), cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
     tokens = 0
     bar = progress(total=len(done) + len(todo), initial=len(done), desc="own answers", unit="prompt")

@@ -43,6 +43,8 @@ def sharegpt_path(source: str = "sharegpt") -> Path:
 def iter_records(path: str | Path) -> Iterator[dict[str, Any]]:
     """Every complete record of a JSON array of conversations, even when the file is cut off."""
     text = Path(path).read_text(encoding="utf-8")
+    if not text.strip():  # a run stopped before its first record
+        return
     start = text.find("[")
     if start < 0:
         raise InvalidConfigError(f"{path}: not a JSON array of conversations")
