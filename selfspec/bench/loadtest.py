@@ -281,6 +281,14 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         running.clear()
         watcher.join(10)
+        # and a few polls with the server idle: a router that kept /health on one busy replica during the run (seen
+        # once on a loaded 2-core machine) spreads them now, so every live replica is counted
+        for _ in range(12):
+            try:
+                pids.add(httpx.get(url + "/health", timeout=5).json().get("pid"))
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.05)
         time.sleep(0.5)  # let the last cancelled jobs finish
         rss_after = rss_mb(server_pid) if server_pid else None
         server_side = _server_metrics(url, cfg.api_key)
