@@ -262,12 +262,15 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
         running = threading.Event()
         running.set()
 
+        def poll() -> None:  # the pid of whichever process answers /health
+            try:
+                pids.add(httpx.get(url + "/health", timeout=5).json().get("pid"))
+            except (httpx.HTTPError, ValueError):
+                pass
+
         def watch() -> None:
             while running.is_set():
-                try:
-                    pids.add(httpx.get(url + "/health", timeout=5).json().get("pid"))
-                except (httpx.HTTPError, ValueError):
-                    pass
+                poll()
                 time.sleep(0.2)
 
         t0 = time.perf_counter()
@@ -284,10 +287,7 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
         # and a few polls with the server idle: a router that kept /health on one busy replica during the run (seen
         # once on a loaded 2-core machine) spreads them now, so every live replica is counted
         for _ in range(12):
-            try:
-                pids.add(httpx.get(url + "/health", timeout=5).json().get("pid"))
-            except (httpx.HTTPError, ValueError):
-                pass
+            poll()
             time.sleep(0.05)
         time.sleep(0.5)  # let the last cancelled jobs finish
         rss_after = rss_mb(server_pid) if server_pid else None
