@@ -42,16 +42,15 @@ from selfspec.state import SequenceState
 
 class EarlyExitDrafter(BaseDrafter):
     def __init__(self, split: SplitModel, head: ExitHead, policy: DraftPolicy, lookup: int = 0,
-                 lookup_ngram: int = 3, lookup_policy: DraftPolicy | ByMatchLength | None = None,
-                 head_drafts: bool = True,
+                 lookup_ngram: int = 3, lookup_policy: ByMatchLength | None = None, head_drafts: bool = True,
                  catch_up_limit: float = math.inf, head_context: int | None = None,
-                 lookup_streak_policy: DraftPolicy | ByMatchLength | None = None, lookup_longest: bool = True) -> None:
+                 lookup_streak_policy: ByMatchLength | None = None, lookup_longest: bool = True) -> None:
         self.split, self.head, self.policy = split, head, policy
         self.exit_layer = head.exit_layer
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
         self.lookup_longest = lookup_longest  # the occurrence matching furthest back (else the latest; NgramIndex)
-        # ByMatchLength: one policy per bucket of match lengths (the block's ``lookup.Match.length``)
-        self.lookup_policy: DraftPolicy | ByMatchLength = lookup_policy or FixedPolicy()
+        # one policy per bucket of match lengths (the block's ``lookup.Match.length``); None: full-length blocks
+        self.lookup_policy = lookup_policy or ByMatchLength(FixedPolicy, ())
         # The lookup blocks right after a lookup block that was accepted whole (the answer is copying a span of
         # the prompt) learn their own acceptance, and may run longer; None: one policy for every lookup block
         self.lookup_streak_policy = lookup_streak_policy
@@ -179,7 +178,7 @@ class EarlyExitDrafter(BaseDrafter):
     def lookup_drafts(self, seq: SequenceState, limit: int) -> list[int]:
         """The lookup drafts a round would propose (at most ``limit``); empty when lookup is off or the text's
         last n-gram has no earlier occurrence. Runs no layers (a batch sends them in from the embeddings)."""
-        if self.lookup <= 0 or not seq.tokens or limit <= 0:
+        if self.lookup <= 0 or not seq.tokens:
             return []
         found = self._ngram_index(seq).match(min(limit, self.lookup))
         if not found.tokens:
@@ -189,11 +188,11 @@ class EarlyExitDrafter(BaseDrafter):
 
     def lookup_policy_of(self, seq: SequenceState) -> DraftPolicy:
         """The policy of ``seq``'s lookup block: the streak's after a lookup block accepted whole, else the
-        lookup policy; by the block's match length when the policy is one per length (ByMatchLength)."""
+        lookup policy; each the one of the block's match length."""
         table = self.lookup_policy
         if self.lookup_streak_policy is not None and seq.extras.get("lookup_streak"):
             table = self.lookup_streak_policy
-        return table.of(seq.extras.get("lookup_match", 0)) if isinstance(table, ByMatchLength) else table
+        return table.of(seq.extras.get("lookup_match", 0))
 
     def _lookup(self, seq: SequenceState, limit: int) -> DraftBlock | None:
         """A block of lookup drafts, or None when the last n-gram has no earlier occurrence."""
