@@ -47,6 +47,21 @@ def test_match_length_ties_and_recent_occurrences():
     assert NgramIndex([3, 4], ngram=2).match(4) == ([], 0) and NgramIndex([], ngram=2).match(4) == ([], 0)
 
 
+class OracleIndex:
+    """Stands in for the drafter's NgramIndex: a subclass's ``continuation`` proposes; every match is 2 tokens
+    long (one bucket of each ByMatchLength) unless ``match`` is overridden too."""
+
+    def __init__(self, tokens: list[int], ngram: int, **kw: object) -> None:
+        self.tokens = tokens
+
+    def continuation(self, n: int) -> list[int]:
+        raise NotImplementedError
+
+    def match(self, n: int) -> lookup.Match:
+        out = self.continuation(n)
+        return lookup.Match(out, 2 if out else 0)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lookup_drafts_are_lossless(arch, monkeypatch):
     """Random tiny models do not copy, so the n-gram index is replaced by an oracle that proposes the
@@ -61,10 +76,7 @@ def test_lookup_drafts_are_lossless(arch, monkeypatch):
     ref = hf_greedy(model, prompt, 30)
     calls = []
 
-    class Oracle:
-        def __init__(self, tokens: list[int], ngram: int, **kw: object) -> None:
-            self.tokens = tokens
-
+    class Oracle(OracleIndex):
         def continuation(self, n: int) -> list[int]:
             done = len(self.tokens) - len(prompt)  # tokens emitted so far, the pending one included
             out = list(ref[done : done + n])
@@ -73,10 +85,6 @@ def test_lookup_drafts_are_lossless(arch, monkeypatch):
             if 0 < bad <= len(out):
                 out[bad - 1] = (out[bad - 1] + 1) % VOCAB
             return out if len(calls) % 5 else []  # every fifth step: no match (early-exit draft)
-
-        def match(self, n: int) -> lookup.Match:
-            out = self.continuation(n)
-            return lookup.Match(out, 2 if out else 0)
 
     monkeypatch.setattr(ee, "NgramIndex", Oracle)
     for k, gamma in ((1, 2), (3, 4)):
@@ -115,10 +123,7 @@ def test_lookup_blocks_after_a_whole_acceptance_learn_apart(monkeypatch):
     ref = hf_greedy(model, prompt, 40)
     calls: list[int] = []
 
-    class Oracle:
-        def __init__(self, tokens: list[int], ngram: int, **kw: object) -> None:
-            self.tokens = tokens
-
+    class Oracle(OracleIndex):
         def continuation(self, n: int) -> list[int]:
             done = len(self.tokens) - len(prompt)
             out = list(ref[done : done + n])
@@ -126,10 +131,6 @@ def test_lookup_blocks_after_a_whole_acceptance_learn_apart(monkeypatch):
             if len(calls) % 3 == 0 and len(out) > 1:  # every third proposal: its last token wrong
                 out[-1] = (out[-1] + 1) % VOCAB
             return out if len(calls) % 7 else []
-
-        def match(self, n: int) -> lookup.Match:  # every match 2 tokens long: one bucket of each ByMatchLength
-            out = self.continuation(n)
-            return lookup.Match(out, 2 if out else 0)
 
     monkeypatch.setattr(ee, "NgramIndex", Oracle)
     ss.set_draft(DraftConfig(exit_layer=1, head="lm", gamma=None, tune="off", lookup=5))
@@ -171,10 +172,7 @@ def test_lookup_blocks_learn_by_match_length(monkeypatch):
     ref = hf_greedy(model, prompt, 40)
     lengths: list[int] = []
 
-    class Oracle:
-        def __init__(self, tokens: list[int], ngram: int, **kw: object) -> None:
-            self.tokens = tokens
-
+    class Oracle(OracleIndex):
         def match(self, n: int) -> lookup.Match:
             done = len(self.tokens) - len(prompt)
             out = list(ref[done : done + n])
