@@ -29,6 +29,7 @@ from selfspec.models.loading import load_model, local_gguf, model_id_of
 from selfspec.models.split import SplitModel
 from selfspec.outputs import GenerationResult, RequestOutput, StreamEvent
 from selfspec.pipeline.service import PipelineService
+from selfspec.prefix_cache import PrefixCache
 from selfspec.tuning import Tuning, head_depths, tuned
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -36,9 +37,12 @@ Prompt = str | list[dict[str, str]] | list[int]
 
 class SelfSpec:
     def __init__(self, model: Any, tokenizer: Any, draft: DraftConfig | None = None, model_id: str = "model",
-                 backend: str = "fast") -> None:
+                 backend: str = "fast", prefix_cache: float = ModelConfig.prefix_cache) -> None:
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.split = SplitModel(model, backend)
+        if prefix_cache < 0:
+            raise InvalidConfigError(f"prefix_cache is MiB of prompts kept, >= 0; got {prefix_cache}")
+        self.prefix_cache = PrefixCache(self.split, prefix_cache)  # earlier prompts' keys and values (exact)
         self.cost_cache = CostCache(self.split)  # measured draft costs, cached on disk (selfspec.cost_cache)
         self.eos_token_ids = self._model_eos_ids()
         self.draft_config = DraftConfig()
@@ -53,7 +57,8 @@ class SelfSpec:
 
         mcfg = model if isinstance(model, ModelConfig) else ModelConfig(model=model, **kw)
         hf_model, tokenizer = load_model(mcfg)
-        ss = cls(hf_model, tokenizer, draft, model_id=model_id_of(mcfg), backend=mcfg.backend)
+        ss = cls(hf_model, tokenizer, draft, model_id=model_id_of(mcfg), backend=mcfg.backend,
+                 prefix_cache=mcfg.prefix_cache)
         ss.source_gguf = local_gguf(mcfg)
         return ss
 
@@ -68,7 +73,7 @@ class SelfSpec:
         built = build_draft(self, draft)
         assert built.draft is not None  # build_draft gives the config as resolved
         self.engine = Engine(self.split, built.drafter, gamma=built.gamma, tree_width=built.tree_width,
-                             specee=built.specee)
+                             specee=built.specee, prefix=self.prefix_cache)
         self.draft_config, self.head, self.tuning_result = built.draft, built.head, built.tuning
         trim_heap()  # what the setup freed (a released head's float weights, the cost check's forwards): back to the system
 

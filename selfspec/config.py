@@ -61,6 +61,12 @@ class ModelConfig:
     )
     device: str = opt("cpu", "torch device to run on (cpu, cuda, cuda:0, ...).")
     threads: int | None = opt(None, "torch intra-op threads (None: torch's default).")
+    prefix_cache: float = opt(
+        256.0,
+        "MiB of earlier prompts' keys and values kept, so a prompt that starts with one prefills only the rest "
+        "(chat turns, a shared system prompt; selfspec/prefix_cache.py). Exact: the output is the same with or "
+        "without it, and where this machine's kernels could not promise that it stays off. 0: off.",
+    )
     backend: str = opt(
         "fast",
         "Forward implementation: 'fast' (packed fused weights, selfspec's CPU kernels, docs/BENCHMARKS.md) "

@@ -40,6 +40,7 @@ def run(model_cfg: ModelConfig, cfg: DemoConfig) -> list[dict]:
         return new, time.perf_counter() - t0
 
     def ours(method: str) -> tuple[list[int], float]:
+        ss.prefix_cache.clear()  # the same prompt each time: every run prefills it whole, as transformers does
         r = ss.generate(ids, max_new_tokens=cfg.max_new_tokens, method=method)
         return r.token_ids, r.stats.wall_time
 

@@ -24,6 +24,7 @@ from selfspec.config import GenerateConfig
 from selfspec.drafting.base import DraftBlock, Drafter
 from selfspec.errors import ContextOverflowError, EmptyPromptError, InvalidConfigError
 from selfspec.models.split import Ride, SplitModel
+from selfspec.prefix_cache import PrefixCache
 from selfspec.sampling import greedy, make_generator, pick
 from selfspec.specee.decode import SPECEE_METHODS, SpecEERunner
 from selfspec.state import SequenceState
@@ -57,13 +58,14 @@ def validate_request(prompt_len: int, gen: GenerateConfig, context_length: int) 
 
 class Engine:
     def __init__(self, split: SplitModel, drafter: Drafter | None = None, gamma: int = 4,
-                 tree_width: int = 0, specee: SpecEERunner | None = None) -> None:
+                 tree_width: int = 0, specee: SpecEERunner | None = None, prefix: PrefixCache | None = None) -> None:
         if gamma < 1:
             raise InvalidConfigError(f"gamma must be >= 1, got {gamma}")
         if tree_width < 0:
             raise InvalidConfigError(f"tree_width must be >= 0, got {tree_width}")
         self.split, self.drafter, self.gamma, self.tree_width = split, drafter, gamma, tree_width
         self.specee = specee  # SpecEE's predictors over this drafter's candidates (methods specee, specee-verified)
+        self.prefix = prefix  # earlier prompts' keys and values (selfspec.prefix_cache), None: every prompt prefilled
 
     # ---- pieces -----------------------------------------------------------------------
     def need_drafter(self) -> Drafter:
@@ -93,12 +95,28 @@ class Engine:
         generator = None if gen.greedy else make_generator(gen.seed, self.split.device)
         return SequenceState(cache=cache, generator=generator)
 
-    def prefill(self, seq: SequenceState, prompt_ids: list[int], gen: GenerateConfig, speculative: bool) -> int:
-        """The prompt into ``seq`` (the drafter given its states when ``speculative``); -> the first token."""
+    def reuse_prefix(self, seq: SequenceState, prompt_ids: list[int], gen: GenerateConfig, speculative: bool) -> int:
+        """Into ``seq``'s new cache, the longest cached prefix of the prompt that leaves what the prefill must
+        compute (selfspec.prefix_cache: exact, so the output is the same either way). -> positions reused."""
+        if self.prefix is None or gen.method not in ("plain", "selfspec"):
+            return 0
+        need = self.need_drafter().prompt_rows_needed() if speculative else 0
+        return 0 if need is None else self.prefix.reuse(prompt_ids, seq.cache, need)
+
+    def remember_prompt(self, seq: SequenceState, prompt_ids: list[int], computed: int) -> None:
+        """After a prefill that computed the prompt's last ``computed`` rows in one call: kept for later requests."""
+        if self.prefix is not None:
+            self.prefix.store(prompt_ids, seq.cache, computed)
+
+    def prefill(self, seq: SequenceState, prompt_ids: list[int], gen: GenerateConfig, speculative: bool,
+                first: int = 0) -> int:
+        """The prompt into ``seq`` (the drafter given its states when ``speculative``), from position ``first``
+        (the cache holds those before: ``reuse_prefix``); -> the first token."""
         drafter = self.drafter if speculative else None
-        h_k, h = core.prefill(self.split, seq, prompt_ids, gen, None if drafter is None else drafter.depth_of(seq))
+        h_k, h = core.prefill(self.split, seq, prompt_ids, gen, None if drafter is None else drafter.depth_of(seq),
+                              first)
         if drafter is not None:
-            drafter.start(seq, h_k, h)
+            drafter.start(seq, h_k, h, first)
         return seq.pending
 
     def decode_one_token(self, seq: SequenceState, gen: GenerateConfig,
@@ -109,13 +127,16 @@ class Engine:
 
     def start_sequence(self, prompt_ids: list[int], gen: GenerateConfig, speculative: bool,
                        stats: GenerationStats) -> SequenceState:
-        """A request's sequence after its prefill: its cache, its drafting state (seeded policy, depth) when
-        ``speculative``, its first token pending and in ``tokens``; ``stats`` counts the prompt and that token."""
+        """A request's sequence after its prefill (what the prefix cache holds of the prompt reused, the prompt
+        kept for later ones): its cache, its drafting state (seeded policy, depth) when ``speculative``, its first
+        token pending and in ``tokens``; ``stats`` counts the prompt (and the part reused) and that token."""
         seq = self.new_sequence(len(prompt_ids), gen)
         if speculative:
             self.need_drafter().begin(seq, gen.seed)
-        self.prefill(seq, prompt_ids, gen, speculative)
-        stats.prompt_tokens, stats.new_tokens = len(prompt_ids), 1
+        first = self.reuse_prefix(seq, prompt_ids, gen, speculative)
+        self.prefill(seq, prompt_ids, gen, speculative, first)
+        self.remember_prompt(seq, prompt_ids, len(prompt_ids) - first)
+        stats.prompt_tokens, stats.cached_tokens, stats.new_tokens = len(prompt_ids), first, 1
         return seq
 
     def drafts_tree(self, max_drafts: int) -> bool:

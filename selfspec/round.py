@@ -32,12 +32,13 @@ from selfspec.verify import greedy_tree_verify, speculative_verify, tree_sample_
 
 
 def prefill(split: SplitModel, seq: SequenceState, prompt_ids: list[int], gen: GenerateConfig,
-            capture: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+            capture: int | None = None, first: int = 0) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The prompt through every layer into ``seq``'s cache; its first token becomes pending and ``seq.tokens``
     the prompt plus it. ``capture``: also return the states after this many layers (a drafter's exit states).
-    -> (captured states ``# [1, P, hidden]`` or None, last-layer states ``# [1, P, hidden]``)."""
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=split.device)
-    pos = seq.positions(0, len(prompt_ids))
+    ``first``: the cache already holds positions [0, first) (the prefix cache's), only the rest is computed.
+    -> (captured states ``# [1, P - first, hidden]`` or None, last-layer states ``# [1, P - first, hidden]``)."""
+    ids = torch.tensor([prompt_ids[first:]], dtype=torch.long, device=split.device)
+    pos = seq.positions(first, len(prompt_ids) - first)
     if capture is None:
         h_k, h = None, split.forward_all(ids, pos, seq.cache)
     else:

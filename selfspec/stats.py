@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache (not prefilled)
     new_tokens: int = 0
     steps: int = 0  # target verification steps after the prefill (plain decoding: one per token)
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step, bonus included

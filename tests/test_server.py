@@ -22,6 +22,7 @@ from selfspec import DraftConfig
 from selfspec.api import GenerationResult, StreamEvent
 from selfspec.batch.scheduler import BatchConfig
 from selfspec.config import GenerateConfig
+from selfspec.prefix_cache import MIN_ROWS
 from selfspec.server.app import create_app, make_server
 from selfspec.server.errors import APIError, QueueFullError, ShuttingDownError
 from selfspec.server.metrics import Metrics
@@ -331,6 +332,25 @@ def test_chat_stream_equals_nonstream_equals_engine(client, ss):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+@pytest.mark.slow
+def test_a_chats_next_turn_reuses_its_first_turns_prompt(client, ss, server):
+    """The second turn of a chat prefills only what follows the first turn's prompt (the prefix cache), reports
+    it as OpenAI's usage.prompt_tokens_details.cached_tokens, and says what the engine says without the cache."""
+    system = {"role": "system", "content": "You are a concise assistant for questions about geography. " * 6}
+    turn1 = [system, {"role": "user", "content": "Name the longest river in Africa."}]
+    r1 = client.chat.completions.create(model=model_of(ss), messages=turn1, max_tokens=16, temperature=0)
+    turn2 = [*turn1, {"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And in South America?"}]
+    before = metric(server, "selfspec_prompt_tokens_cached_total")
+    r2 = client.chat.completions.create(model=model_of(ss), messages=turn2, max_tokens=16, temperature=0)
+    cached = min(len(ss.encode(turn1)), len(ss.encode(turn2)) - MIN_ROWS)
+    assert cached > 0 and r2.usage.prompt_tokens_details.cached_tokens == cached
+    assert wait_for(lambda: metric(server, "selfspec_prompt_tokens_cached_total") == before + cached, 10)
+    ss.prefix_cache.clear()
+    alone = ss.generate(turn2, max_new_tokens=16, temperature=0.0)
+    assert alone.stats.cached_tokens == 0 and r2.choices[0].message.content == alone.text
 
 
 @pytest.mark.slow

@@ -150,9 +150,11 @@ class Scheduler:
                 req.solo = self.engine.generate_tokens(req.prompt_ids, req.gen, req.stats)
             elif not req.pipelined:
                 req.seq = self.engine.new_sequence(len(req.prompt_ids), req.gen)
-                if self.engine.speculative(req.gen.method):
+                speculative = self.engine.speculative(req.gen.method)
+                if speculative:
                     self.engine.need_drafter().begin(req.seq, req.gen.seed)
                 req.stats.prompt_tokens = len(req.prompt_ids)
+                req.stats.cached_tokens = self.engine.reuse_prefix(req.seq, req.prompt_ids, req.gen, speculative)
             self.running.append(req)
             new.append(req)
         return new
@@ -173,7 +175,7 @@ class Scheduler:
             assert r.seq is not None  # admitted without a loop of its own: _admit gave it a sequence
             entries.append(BatchEntry(r.seq, r.gen, r.stats, r.remaining, self.engine.speculative(r.gen.method),
                                       r.prompt_ids if id(r) in new else None,
-                                      *(caps if r.gen.greedy else self.config.caps(1))))
+                                      *(caps if r.gen.greedy else self.config.caps(1)), first=r.stats.cached_tokens))
         with torch.inference_mode():
             blocks = dict(zip(map(id, batch), step(self.engine, entries))) if entries else {}
             for r in self.running:

@@ -36,6 +36,7 @@ class BatchEntry:
     prompt: list[int] | None = None  # not prefilled yet: this round is its prefill
     draft_cap: int = 1 << 30  # at most this many drafts from the exit head this round (the batch's rule)
     lookup_cap: int = 1 << 30  # at most this many lookup drafts this round
+    first: int = 0  # a prefill's positions already in the cache (the prefix cache's): its rows start here
 
 
 def step(engine: Engine, entries: list[BatchEntry]) -> list[list[int]]:
@@ -58,7 +59,8 @@ def step(engine: Engine, entries: list[BatchEntry]) -> list[list[int]]:
         if e.prompt is not None:
             core.take_first(seq, e.prompt, lg[0, -1], e.gen)
             if e.speculative:
-                engine.need_drafter().start(seq, ride.h if ride.capture == 0 else ride.captured, h)
+                engine.need_drafter().start(seq, ride.h if ride.capture == 0 else ride.captured, h, e.first)
+            engine.remember_prompt(seq, e.prompt, len(e.prompt) - e.first)
             out.append([seq.pending])
         elif not e.speculative:
             out.append(core.commit_plain(seq, pick(lg[0, -1], e.gen, seq.generator), e.stats))
@@ -84,9 +86,9 @@ def _ride(engine: Engine, e: BatchEntry, chain: DraftBlock | None,
     """The rows entry ``e`` sends through the layers this round, and its draft block (None: none)."""
     split, seq = engine.split, e.seq
     if e.prompt is not None:  # a prefill; a speculative one keeps its exit states for the drafter
-        ids = torch.tensor([e.prompt], dtype=torch.long, device=split.device)
+        ids = torch.tensor([e.prompt[e.first :]], dtype=torch.long, device=split.device)
         capture = engine.need_drafter().depth_of(seq) if e.speculative else None
-        return Ride(0, split.embed(ids), seq.positions(0, len(e.prompt)), seq.cache, capture=capture), None
+        return Ride(0, split.embed(ids), seq.positions(e.first, ids.shape[1]), seq.cache, capture=capture), None
     if not e.speculative:
         return engine.ride_of(seq, None), None
     if chain is not None:

@@ -90,9 +90,10 @@ class LlamaServer:
             pass
         return self
 
-    def complete(self, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
-        """Greedy continuation of ``ids``: the server's JSON answer (``tokens``, ``stop_type``, ``timings``)."""
-        body = {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+    def complete(self, ids: list[int], max_new_tokens: int, cache_prompt: bool = False) -> dict[str, Any]:
+        """Greedy continuation of ``ids``: the server's JSON answer (``tokens``, ``stop_type``, ``timings``).
+        ``cache_prompt``: reuse the slot's keys and values of the previous request where the prompt starts alike."""
+        body = {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": cache_prompt,
                 "return_tokens": True, "stream": False, "samplers": ["top_k"]}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -127,11 +128,11 @@ def stop_all() -> None:
 
 
 def generate(gguf: Path, threads: int, spec: str, ids: list[int], max_new_tokens: int,
-             eos_ids: list[int]) -> tuple[list[int], float, dict[str, Any]]:
+             eos_ids: list[int], cache_prompt: bool = False) -> tuple[list[int], float, dict[str, Any]]:
     """(new token ids, EOS appended when it stopped there; wall seconds; llama.cpp's own timings)."""
     srv = server_for(gguf, threads, spec)
     t0 = time.perf_counter()
-    out = srv.complete(ids, max_new_tokens)
+    out = srv.complete(ids, max_new_tokens, cache_prompt)
     wall = time.perf_counter() - t0
     tokens = [int(t) for t in out.get("tokens", [])]
     if out.get("stop_type") == "eos" and eos_ids and len(tokens) < max_new_tokens:

@@ -90,6 +90,7 @@ class TurnResult:
     rounds: dict[str, Any] | None = None  # selfspec kinds: {"lookup": steps drafted by lookup, "depths": {depth: rounds}}
     peer: dict[str, Any] | None = None  # llama-cpp: the server's own timings (prompt / predicted ms, drafts)
     prefill_time: float | None = None  # seconds of wall_time spent on the prompt and the first token (None: unknown)
+    cached_tokens: int = 0  # prompt tokens reused from an earlier turn (selfspec's prefix cache, llama.cpp's cache_n)
 
     @property
     def new_tokens(self) -> int:
@@ -302,18 +303,20 @@ def resolve_methods(specs: list[str], cfg: BenchConfig, ss: SelfSpec) -> list[Me
 
 
 # ---- running one turn ------------------------------------------------------------------------
-def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) -> TurnResult:
-    """Generate greedily for one turn and time it (prefill included, tokenization excluded)."""
+def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int, reuse: bool = False) -> TurnResult:
+    """Generate greedily for one turn and time it (prefill included, tokenization excluded). ``reuse``: llama.cpp
+    keeps its last request's keys and values for a prompt that starts with it (cache_prompt; selfspec's prefix
+    cache is the caller's to empty)."""
     if method.kind in HF_KINDS:
         return _run_hf(ss, ids, max_new_tokens, method.options)
     if method.kind == "llama-cpp":
         assert ss.source_gguf is not None  # parse_method checked the model came from a GGUF
         tokens, wall, timings = llamacpp.generate(ss.source_gguf, torch.get_num_threads(), method.options["spec"],
-                                                  ids, max_new_tokens, ss.eos_token_ids)
+                                                  ids, max_new_tokens, ss.eos_token_ids, cache_prompt=reuse)
         drafted = timings.get("draft_n")
         prefill = timings["prompt_ms"] / 1e3 if "prompt_ms" in timings else None  # the server's own figure
         return TurnResult(tokens, wall, max(0, len(tokens) - 1), [], drafted, len(ids), peer=timings,
-                          prefill_time=prefill)
+                          prefill_time=prefill, cached_tokens=int(timings.get("cache_n", 0)))
     gen = GenerateConfig(max_new_tokens=max_new_tokens, ignore_eos=False)
     if method.kind in ("selfspec", *SPECEE_KINDS):
         assert method.draft is not None  # parse_method gives these kinds their draft
@@ -329,7 +332,7 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int) 
     if method.kind != "plain":
         rounds = {"lookup": st.lookup_steps, "depths": {str(d): n for d, n in sorted(st.draft_depths.items())}}
     return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids), specee, rounds,
-                      prefill_time=st.prefill_time)
+                      prefill_time=st.prefill_time, cached_tokens=st.cached_tokens)
 
 
 def _run_hf(ss: SelfSpec, ids: list[int], max_new_tokens: int, options: dict[str, Any]) -> TurnResult:

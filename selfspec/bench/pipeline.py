@@ -89,6 +89,7 @@ class Runner:
         gen = GenerateConfig(max_new_tokens=n, method="plain" if method == "plain" else "selfspec")
         if method in ("plain", "selfspec"):
             torch.set_num_threads(self.threads)
+            self.ss.prefix_cache.clear()  # the pipeline prefills whole: so do these
             t0 = time.perf_counter()
             res = self.ss.generate(prompt, gen)
             wall = time.perf_counter() - t0

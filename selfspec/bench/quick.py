@@ -60,6 +60,7 @@ def run(model_cfg: ModelConfig, cfg: QuickBenchConfig) -> dict:
         def f(ids: list[int]) -> tuple[list[int], float, float]:
             if draft is not None:
                 ss.set_draft(draft)
+            ss.prefix_cache.clear()  # every method prefills the prompt whole (another's prompt is no help)
             r = ss.generate(ids, gen, method="plain" if draft is None else "selfspec")
             return r.token_ids, r.stats.wall_time, r.stats.mean_accepted_length
         return f

@@ -178,19 +178,28 @@ def turn_prompt(ss: SelfSpec, q: Question, answers: list[str], turn: int) -> lis
     return ss.encode(messages + [{"role": "user", "content": q.turns[turn]}])
 
 
-def answer_question(ss: SelfSpec, method: Method, q: Question, max_new_tokens: int) -> dict:
-    """Answer every turn of a question with one method; the Spec-Bench answer record (per-turn lists)."""
+def answer_question(ss: SelfSpec, method: Method, q: Question, max_new_tokens: int, reuse: bool = False) -> dict:
+    """Answer every turn of a question with one method; the Spec-Bench answer record (per-turn lists). ``reuse``
+    (the run's ``--prefix-cache`` is not 0): later turns may reuse the earlier turns' prompts, as in a chat:
+    selfspec's prefix cache, emptied first so nothing of another question or method is reused, and llama.cpp's
+    cache_prompt (its slot's last request, answer included); else every turn is prefilled whole (every run
+    before 2026-11-27)."""
     c: dict[str, list] = {k: [] for k in ("turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths",
-                                          "draft_tokens", "prompt_tokens", "token_ids", "specee", "rounds", "peer",
-                                          "prefill_time")}
+                                          "draft_tokens", "prompt_tokens", "cached_tokens", "token_ids", "specee",
+                                          "rounds", "peer", "prefill_time")}
+    ss.prefix_cache.clear()
     for turn in range(len(q.turns)):
-        r = run_turn(ss, method, turn_prompt(ss, q, c["turns"], turn), max_new_tokens)
+        if not reuse:
+            ss.prefix_cache.clear()
+        r = run_turn(ss, method, turn_prompt(ss, q, c["turns"], turn), max_new_tokens, reuse)
         for key, value in (("turns", answer_text(ss, r.token_ids)), ("new_tokens", r.new_tokens),
                            ("wall_time", r.wall_time), ("decoding_steps", r.decoding_steps),
                            ("accept_lengths", r.accept_lengths), ("draft_tokens", r.draft_tokens),
-                           ("prompt_tokens", r.prompt_tokens), ("token_ids", r.token_ids), ("specee", r.specee),
-                           ("rounds", r.rounds), ("peer", r.peer), ("prefill_time", r.prefill_time)):
+                           ("prompt_tokens", r.prompt_tokens), ("cached_tokens", r.cached_tokens),
+                           ("token_ids", r.token_ids), ("specee", r.specee), ("rounds", r.rounds), ("peer", r.peer),
+                           ("prefill_time", r.prefill_time)):
             c[key].append(value)
+    ss.prefix_cache.clear()
     return {"question_id": q.question_id, "category": q.category, "answer_id": f"{method.name}-{q.question_id}",
             "model_id": f"{ss.model_id}-{method.name}", "method": method.name,
             "choices": [{"index": 0, **c}], "tstamp": time.time()}
@@ -290,7 +299,7 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
                 if q.question_id in done[m.name]:
                     continue
                 bar.set_postfix_str(f"{q.group} {q.question_id} {m.name}")
-                rec = answer_question(ss, m, q, cfg.max_new_tokens)
+                rec = answer_question(ss, m, q, cfg.max_new_tokens, ss.prefix_cache.capacity > 0)
                 files[m.name].append(rec)
                 done[m.name][q.question_id] = rec
                 if on_answer is not None:

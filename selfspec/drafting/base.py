@@ -63,9 +63,14 @@ class Drafter(Protocol):
         tokens the request still wants (None: not known)."""
 
     def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor | None,
-              prompt_final_states: torch.Tensor | None = None) -> None:
+              prompt_final_states: torch.Tensor | None = None, first: int = 0) -> None:
         """After the prompt's prefill, with its states after ``depth_of(seq)`` layers and after the last one
-        ``# [1, P, hidden]`` (e.g. a stateful exit head catches up on the prompt)."""
+        ``# [1, P - first, hidden]`` of positions ``first``.. (e.g. a stateful exit head catches up on the
+        prompt); ``first`` > 0 when the positions before came from the prefix cache (``selfspec.prefix_cache``)."""
+
+    def prompt_rows_needed(self) -> int | None:
+        """How many of the prompt's last positions ``start`` must see for drafting to go exactly as after a
+        full prefill (0: none; None: every one, so a request never reuses a cached prefix)."""
 
     def lookup_drafts(self, seq: SequenceState, limit: int) -> list[int]:
         """Drafts that cost no model work (an n-gram match), at most ``limit``; [] when there are none."""
@@ -114,8 +119,11 @@ class BaseDrafter:
         return gamma
 
     def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor | None,
-              prompt_final_states: torch.Tensor | None = None) -> None:
+              prompt_final_states: torch.Tensor | None = None, first: int = 0) -> None:
         return None
+
+    def prompt_rows_needed(self) -> int | None:
+        return 0
 
     def lookup_drafts(self, seq: SequenceState, limit: int) -> list[int]:
         return []

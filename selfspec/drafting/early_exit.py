@@ -108,22 +108,35 @@ class EarlyExitDrafter(BaseDrafter):
         return self.head.project(h, depth) if self.head.needs_context else h
 
     def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor | None,
-              prompt_final_states: torch.Tensor | None = None) -> None:
+              prompt_final_states: torch.Tensor | None = None, first: int = 0) -> None:
         """After the prompt's prefill: a stateful head must still see the prompt's exit states
-        ``# [1, P, hidden]``; a deep-context head also keeps the final states ``# [1, P, hidden]``."""
+        ``# [1, P - first, hidden]``; a deep-context head also keeps the final states ``# [1, P - first, hidden]``
+        (positions ``first``..: those before came from the prefix cache, and the head passes over them as it
+        passes over all but its last ``head_context`` rows anyway, ``prompt_rows_needed``)."""
         if not (self.head.stateful or self.head.needs_context):
             return
         assert prompt_exit_states is not None, "the prefill captures the exit states (depth_of)"
         if self.head.stateful:
             seq.head_state = self.head.new_state(seq.cache.capacity)
+            self.head.skip(seq.head_state, first)
             seq.head_backlog = self._project(prompt_exit_states, self.depth_of(seq))
         if self.head.needs_context:
             n = prompt_exit_states.shape[1]
             # row j + 1 holds the final state at position j; row 0 (before the first token) is zeros
             finals = prompt_exit_states.new_zeros(seq.cache.capacity + 1, self.split.hidden_size)
             assert prompt_final_states is not None, "a deep-context head starts from the prompt's final states"
-            finals[1 : n + 1] = prompt_final_states[0]
+            finals[first + 1 : first + n + 1] = prompt_final_states[0]
             seq.extras["finals"] = finals
+
+    def prompt_rows_needed(self) -> int | None:
+        """A stateless head reads nothing of the prompt; a stateful one its last ``head_context`` exit states (a
+        deep-context head also the final state before them): the rows a prefill after a cached prefix must
+        compute. With no ``head_context`` the head reads the whole prompt."""
+        if not self.head_drafts or not (self.head.stateful or self.head.needs_context):
+            return 0
+        if self.head_context is None:
+            return None
+        return self.head_context + (1 if self.head.needs_context else 0)
 
     def _store_finals(self, seq: SequenceState, start: int, states: torch.Tensor) -> None:
         """Final states ``# [n, hidden]`` of positions start..start + n - 1 (verified tokens)."""

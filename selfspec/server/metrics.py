@@ -45,6 +45,7 @@ class Metrics:
         self.http_duration: dict[str, Histogram] = defaultdict(Histogram)
         self.outcomes: dict[str, int] = defaultdict(int)
         self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0  # of those, taken from the prefix cache
         self.completion_tokens = 0
         self.generation_seconds = 0.0
         self.steps = 0
@@ -75,6 +76,7 @@ class Metrics:
                 self.generation_seconds += (job.finished or job.first_event) - job.started
             if result is not None:
                 st = result.stats
+                self.cached_prompt_tokens += st.cached_tokens
                 self.steps += st.steps
                 self.step_tokens += sum(st.accept_lengths)
                 for i, (p, a) in enumerate(zip(st.proposed_per_position, st.accepted_per_position)):
@@ -122,6 +124,9 @@ class Metrics:
                self.ttft.lines("selfspec_time_to_first_token_seconds"))
         metric("selfspec_prompt_tokens_total", "counter", "Prompt tokens processed.",
                [f"selfspec_prompt_tokens_total {self.prompt_tokens}"])
+        metric("selfspec_prompt_tokens_cached_total", "counter",
+               "Prompt tokens of completed requests taken from the prefix cache instead of prefilled.",
+               [f"selfspec_prompt_tokens_cached_total {self.cached_prompt_tokens}"])
         metric("selfspec_completion_tokens_total", "counter", "Completion tokens generated (cancelled jobs included).",
                [f"selfspec_completion_tokens_total {self.completion_tokens}"])
         metric("selfspec_generation_seconds_total", "counter", "Seconds the engine spent generating.",

@@ -44,6 +44,7 @@ from selfspec.server.schemas import (
     GenerationRequest,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Usage,
 )
 from selfspec.server.worker import Job, Worker
@@ -106,7 +107,9 @@ def state_of(request: Request) -> ServerState:
 
 def usage_of(job: Job) -> Usage:
     n = len(job.result.token_ids) if job.result is not None else job.tokens
-    return Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=n, total_tokens=len(job.prompt_ids) + n)
+    cached = job.result.stats.cached_tokens if job.result is not None else 0
+    return Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=n, total_tokens=len(job.prompt_ids) + n,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 # ---- waiting on a job ------------------------------------------------------------------------

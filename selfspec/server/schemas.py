@@ -176,10 +176,15 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 # ---- responses -------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled (selfspec/prefix_cache.py)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(BaseModel):

@@ -185,6 +185,7 @@ def _engine_eval(ss: SelfSpec, run: Run, head: str) -> dict[str, Any]:
     for p in progress(prompts, desc="default vs plain", unit="prompt"):
         ids = ss.encode([{"role": "user", "content": p}])
         for method in ("plain", "selfspec"):  # alternating prompt by prompt
+            ss.prefix_cache.clear()  # each prefills the prompt whole
             res = ss.generate(ids, max_new_tokens=cfg.eval_tokens, method=method)
             speed[method].append(res.stats.tokens_per_second)
             if method == "selfspec":
