@@ -280,8 +280,6 @@ def lean_tokenizer(tokenizer: Any) -> Any:
 def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     """-> (transformers CausalLM in eval mode without grads, tokenizer). With ``dtype='auto'`` a GGUF keeps
     its block-quantized weights (``selfspec.models.gguf``); ``dtype='float32'`` dequantizes it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if cfg.dtype not in DTYPE_CHOICES:
         raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got '{cfg.dtype}'")
     if cfg.threads:
@@ -294,6 +292,8 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         assert native is not None  # is_native_quantized: a local GGUF
         model, tokenizer = _load_native(native, cfg.mmap)  # (trim_heap: what a first load's GGUF decoding freed too)
         return _finish(set_numerics(model, cfg.numerics), lean_tokenizer(tokenizer))
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # not for a native GGUF (its own tree)
+
     where, gguf = resolve_model(cfg.model, cfg.gguf_file)
     if cfg.quantize:
         cached = _quantized_cached(cfg, where)

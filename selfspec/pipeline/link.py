@@ -15,7 +15,6 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
 
 from selfspec.config import ModelConfig, PipelineConfig
 from selfspec.errors import InvalidConfigError
@@ -50,6 +49,8 @@ class ModelSource:
     def load(self) -> Any:
         if self.model_config is not None:
             return load_model(self.model_config)[0]
+        from transformers import AutoModelForCausalLM  # lazy: only a deep stage of a float model needs it
+
         model = AutoModelForCausalLM.from_config(self.hf_config, attn_implementation="sdpa", dtype=torch.float32)
         model.load_state_dict(self.state_dict)
         return model.eval().requires_grad_(False)
