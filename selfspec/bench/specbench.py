@@ -23,6 +23,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ from selfspec.progress import progress
 
 DEFAULT_QUESTIONS = "../shared/specbench/question.jsonl"
 FORMAT = "selfspec-specbench/1"
+WARMUP_PROMPT = "Write two sentences about rivers and the sea, then one about mountains."
 
 
 @dataclass
@@ -179,15 +181,13 @@ def turn_prompt(ss: SelfSpec, q: Question, answers: list[str], turn: int) -> lis
 
 
 def answer_question(ss: SelfSpec, method: Method, q: Question, max_new_tokens: int, reuse: bool = False) -> dict:
-    """Answer every turn of a question with one method; the Spec-Bench answer record (per-turn lists). ``reuse``
-    (the run's ``--prefix-cache`` is not 0): later turns may reuse the earlier turns' prompts, as in a chat:
-    selfspec's prefix cache, emptied first so nothing of another question or method is reused, and llama.cpp's
-    cache_prompt (its slot's last request, answer included); else every turn is prefilled whole (every run
-    before 2026-11-27)."""
+    """Answer every turn of a question with one method; the Spec-Bench answer record (per-turn lists). ``reuse``:
+    the method's prompt cache as a server keeps it (selfspec's prefix cache holding what this method's earlier
+    requests left, ``run_bench``; llama.cpp's cache_prompt, its slot's last request, answer included), so a later
+    turn reuses the earlier turns' prompt; else every turn is prefilled whole (every run before 2026-11-27)."""
     c: dict[str, list] = {k: [] for k in ("turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths",
                                           "draft_tokens", "prompt_tokens", "cached_tokens", "token_ids", "specee",
                                           "rounds", "peer", "prefill_time")}
-    ss.prefix_cache.clear()
     for turn in range(len(q.turns)):
         if not reuse:
             ss.prefix_cache.clear()
@@ -199,7 +199,6 @@ def answer_question(ss: SelfSpec, method: Method, q: Question, max_new_tokens: i
                            ("token_ids", r.token_ids), ("specee", r.specee), ("rounds", r.rounds), ("peer", r.peer),
                            ("prefill_time", r.prefill_time)):
             c[key].append(value)
-    ss.prefix_cache.clear()
     return {"question_id": q.question_id, "category": q.category, "answer_id": f"{method.name}-{q.question_id}",
             "model_id": f"{ss.model_id}-{method.name}", "method": method.name,
             "choices": [{"index": 0, **c}], "tstamp": time.time()}
@@ -285,12 +284,17 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
     files = {m.name: AnswerFile(run / "answers" / f"{m.name}.jsonl") for m in methods}
     done = {name: f.load() for name, f in files.items()}
     pending = [q for q in chosen if any(q.question_id not in done[m.name] for m in methods)]
+    reuse = ss.prefix_cache.capacity > 0  # --prefix-cache 0: every turn prefilled whole, llama.cpp's too
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # generate's deprecation notes would break the progress bar
     try:
-        if pending and cfg.warmup > 0:
+        # Each method as its own server: selfspec's prefix cache holds what that method's own requests left (a
+        # question's earlier turns, the chat template's opening), never another method's prompts
+        held: dict[str, OrderedDict] = {m.name: OrderedDict() for m in methods}
+        if pending and cfg.warmup > 0:  # not a question's prompt: no cache then holds one
             for m in methods:
-                run_turn(ss, m, turn_prompt(ss, pending[0], [], 0), cfg.warmup)
+                ss.prefix_cache.entries = held[m.name]
+                run_turn(ss, m, ss.encode([{"role": "user", "content": WARMUP_PROMPT}]), cfg.warmup, reuse)
         bar = progress(pending, desc="spec-bench", unit="question", dynamic_ncols=True, total=len(chosen),
                    initial=len(chosen) - len(pending))
         for i, q in enumerate(bar):
@@ -299,7 +303,8 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
                 if q.question_id in done[m.name]:
                     continue
                 bar.set_postfix_str(f"{q.group} {q.question_id} {m.name}")
-                rec = answer_question(ss, m, q, cfg.max_new_tokens, ss.prefix_cache.capacity > 0)
+                ss.prefix_cache.entries = held[m.name]
+                rec = answer_question(ss, m, q, cfg.max_new_tokens, reuse)
                 files[m.name].append(rec)
                 done[m.name][q.question_id] = rec
                 if on_answer is not None:
@@ -316,6 +321,7 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
     finally:
         llamacpp.stop_all()
         hf_logging.set_verbosity(verbosity)
+        ss.prefix_cache.entries = OrderedDict()
     manifest["sessions"][-1]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     _write_json(run / "manifest.json", manifest)
     return write_report(run, cfg.baseline)
