@@ -63,6 +63,7 @@ class GenerationStats:
     def merge(self, other: GenerationStats) -> None:
         """Pool ``other`` into these stats (several generations reported as one)."""
         self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
         self.new_tokens += other.new_tokens
         self.steps += other.steps
         self.lookup_steps += other.lookup_steps
@@ -101,6 +102,8 @@ class GenerationStats:
             + (f", acceptance per position [{rates}]" if rates else "")
             + (f", lookup: {self.lookup_steps} steps, {self.lookup_accepted}/{self.lookup_proposed} drafts accepted"
                if self.lookup_steps else "")
+            + (f", {self.cached_tokens} of {self.prompt_tokens} prompt tokens from the prefix cache"
+               if self.cached_tokens else "")
             + (f", mean exit layer {self.mean_exit_layer:.1f}, predictors {self.predictor_checks} checks "
                f"{1000 * self.predictor_time:.0f} ms" if self.exit_layers else "")
             + (f", exits agreeing with the full model {self.exit_agreed}/{self.exit_compared}"

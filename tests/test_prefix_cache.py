@@ -97,6 +97,7 @@ def test_output_with_and_without_the_cache_is_the_models_own(panels, method):
     ss.generate(a, max_new_tokens=NEW, method=method)
     warm = ss.generate(b, max_new_tokens=NEW, method=method)
     assert warm.stats.cached_tokens == 45
+    assert "45 of 86 prompt tokens from the prefix cache" in warm.stats.summary()
     ss.prefix_cache.clear()
     cold = ss.generate(b, max_new_tokens=NEW, method=method)
     assert warm.token_ids == cold.token_ids == ref
