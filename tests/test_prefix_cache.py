@@ -73,6 +73,23 @@ def test_a_reused_prefix_gives_a_full_prefills_bits(panels):
     assert torch.equal(ss.split.logits(hw), ss.split.logits(hc))
 
 
+def test_the_int8_mode_reuses_exactly_too():
+    """The int8 mode's kernel takes every prefill (whatever path this machine measured for the exact mode)."""
+    from selfspec.quant.modules import set_numerics
+
+    ss = SelfSpec(set_numerics(quantize_model(tiny_model("llama"), "Q4_1"), "int8"), None)
+    assert ss.split.kernel == "selfspec-quant-int8" and ss.prefix_cache.off is None
+    a = prompt_of(40, 1)
+    b = a + prompt_of(45, 2)
+    started(ss, a)
+    warm, stats = started(ss, b)
+    assert stats.cached_tokens == 40
+    ss.prefix_cache.clear()
+    cold, _ = started(ss, b)
+    assert all(torch.equal(w[:, :, : len(b)], c[:, :, : len(b)]) for w, c in zip(warm.cache.keys, cold.cache.keys))
+    assert warm.pending == cold.pending
+
+
 def test_reuse_leaves_the_rows_a_prefill_must_compute(panels):
     ss = SelfSpec(quantize_model(tiny_model("llama"), "Q4_0"), None)
     a = prompt_of(60, 3)
