@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, tiny_model
+from conftest import ARCHS, hf_greedy, tiny_model
 from test_deep_head import deep_ss
 from test_engine_equality import prompt_of
+from test_quant_models import k_quant_model
 
 from selfspec import SelfSpec
 from selfspec.batch.scheduler import BatchConfig, decode_batch
@@ -17,7 +18,7 @@ from selfspec.drafting.policies import make_policy
 from selfspec.errors import InvalidConfigError
 from selfspec.prefix_cache import MIN_ROWS, common_prefix
 from selfspec.quant import weight
-from selfspec.quant.convert import quantize_model
+from selfspec.quant.convert import QUANTIZE_TYPES, quantize_model
 from selfspec.stats import GenerationStats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,8 +51,16 @@ def started(ss: SelfSpec, prompt: list[int], method: str = "plain"):
     return ss.engine.start_sequence(prompt, gen, ss.engine.speculative(method), stats), stats
 
 
-def test_a_reused_prefix_gives_a_full_prefills_bits(panels):
-    ss = SelfSpec(quantize_model(tiny_model("llama"), "Q4_0"), None)
+CASES = [("llama", t) for t in QUANTIZE_TYPES] + [("llama", t) for t in ("Q4_K", "Q5_K", "Q6_K")] + \
+    [(a, "Q4_0" if a != "phi3" else "Q8_0") for a in ARCHS if a != "llama"]
+
+
+@pytest.mark.parametrize(("arch", "type_name"), CASES)
+def test_a_reused_prefix_gives_a_full_prefills_bits(panels, arch, type_name):
+    """Every block type and architecture: keys, values and the next step's logits after a reuse are a full
+    prefill's, bit for bit."""
+    model = k_quant_model(type_name) if type_name.endswith("_K") else quantize_model(tiny_model(arch), type_name)
+    ss = SelfSpec(model, None)
     assert ss.prefix_cache.off is None
     a = prompt_of(40, 1)
     b = a + prompt_of(50, 2)
