@@ -63,14 +63,14 @@ def test_deep_head_is_lossless(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_deep_head_on_a_quantized_target_drafts_with_q8_and_is_lossless(arch):
-    """On a block-quantized target the head's decoder layer drafts with Q8_0 weights: drafts change, output does
+def test_deep_head_on_a_quantized_target_drafts_with_q4_and_is_lossless(arch):
+    """On a block-quantized target the head's decoder layer drafts with Q4_0 weights: drafts change, output does
     not (greedy equals transformers' generate on the quantized model, chains and a tree). Exit layers 2 and 0
     (the quantized embeddings straight into the head: the bundled Qwen head's setting)."""
     prompt = prompt_of(9, 11)
     for k in (2, 0):
         ss, head = deep_ss(arch, k, quantize="Q4_0")
-        assert head.draft_weights == "Q8_0"
+        assert head.draft_weights == "Q4_0"
         head.prepare()
         assert head._fast is not None and head._fast[1].qkv.path == "selfspec-quant"  # the block's packed weights
         ref = hf_greedy(ss.model, prompt, NEW)
@@ -182,7 +182,7 @@ def test_a_head_state_skips_and_rolls_back_in_positions():
 
 
 def test_release_float_keeps_drafting_on_the_packed_copies_and_refuses_training():
-    """On a block-quantized target the head drafts with Q8_0 copies; ``release_float`` drops its float32 matrices:
+    """On a block-quantized target the head drafts with Q4_0 copies; ``release_float`` drops its float32 matrices:
     output still equals transformers' greedy, the drafts are the same as before the release, and a forward with
     gradients (training) raises instead of silently using the empty weights."""
     ss, head = deep_ss("llama", 2, quantize="Q4_0")

@@ -68,7 +68,7 @@ def test_default_model_lossless_with_bundled_trained_head(default_ss):
             ref = ref[: ref.index(ss.eos_token_ids[0]) + 1]
         ss.set_draft(DraftConfig(head="auto", gamma=gamma, policy=policy, threshold=0.3, tree_width=width))
         assert ss.head.kind != "lm" and len(ss.head.vocab_ids) > 0  # the trained, vocabulary-trimmed head
-        assert ss.head.draft_weights == "Q8_0"  # its block drafts with 8-bit weights on the quantized target
+        assert ss.head.draft_weights == "Q4_0"  # its block drafts with 4-bit weights on the quantized target
         out = ss.generate(ids, max_new_tokens=64)
         assert out.token_ids == ref, (text, gamma, policy, width)
         assert sum(out.stats.accepted_per_position) > 0  # it drafts something the target accepts
