@@ -123,12 +123,37 @@ def load_gguf_model(path: Path, cache: Path | None = None, mmap: bool = False) -
     return assemble(model, quant, floats, str(path))
 
 
+# tokenizer_config.json entries that describe the saved directory, not the tokenizer's settings
+_DIRECTORY_KEYS = ("tokenizer_class", "backend", "is_local", "local_files_only", "auto_map", "added_tokens_decoder")
+
+
+def open_tokenizer_dir(cache_dir: Path) -> Any:
+    """A tokenizer directory this module saved, opened as transformers' fast tokenizer straight from its
+    tokenizer.json (the tokenizers library parses it) with its tokenizer_config.json settings and chat template.
+    ``AutoTokenizer`` builds the architecture's own class, which parses the whole vocabulary and merges in Python
+    first (Qwen2.5: 1.06 -> 0.26 s; SmolLM2: 0.44 -> 0.08 s and 8 MB less resident); encoding, decoding and chat
+    templates are the same (tests/test_tokenizer_dir.py). Without a tokenizer.json, ``AutoTokenizer``."""
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if not (cache_dir / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cache_dir))
+    settings = json.loads((cache_dir / "tokenizer_config.json").read_text())
+    kw = {k: v for k, v in settings.items() if k not in _DIRECTORY_KEYS}
+    template = cache_dir / "chat_template.jinja"
+    if template.is_file():
+        kw["chat_template"] = template.read_text()
+    return PreTrainedTokenizerFast(tokenizer_file=str(cache_dir / "tokenizer.json"), **kw)
+
+
 def load_gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
-    """The GGUF's tokenizer, built once by transformers and cached as a tokenizer directory."""
+    """The GGUF's tokenizer, built once by transformers and cached as a tokenizer directory (``open_tokenizer_dir``
+    opens it on later loads)."""
     from transformers import AutoTokenizer
 
     if (cache_dir / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cache_dir))
+        return open_tokenizer_dir(cache_dir)
     with quiet_transformers():
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
