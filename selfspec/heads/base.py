@@ -17,6 +17,9 @@ with the final-layer states of the verified tokens too, EAGLE-style: ``heads.dee
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,24 @@ from selfspec.models.cache import KVCache
 from selfspec.models.split import SplitModel, TreeAttention
 from selfspec.quant.convert import quantize_weight
 from selfspec.quant.modules import QuantLinear
+
+_WEIGHTS_FOLLOW: ContextVar[bool] = ContextVar("selfspec_head_weights_follow", default=False)
+
+
+@contextmanager
+def weights_follow() -> Iterator[None]:
+    """Heads built inside receive every weight from a file next (``heads.io.load_head``): they skip computing
+    initial ones (a layer head's copy of the target's layer is then not dequantized: ~0.2 s for Qwen2.5-0.5B)."""
+    token = _WEIGHTS_FOLLOW.set(True)
+    try:
+        yield
+    finally:
+        _WEIGHTS_FOLLOW.reset(token)
+
+
+def weights_to_follow() -> bool:
+    """Whether a head built now receives its weights from a file next (``weights_follow``)."""
+    return _WEIGHTS_FOLLOW.get()
 
 
 def quantized_linear(module: nn.Linear, type_name: str) -> nn.Module:

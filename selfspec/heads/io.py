@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from selfspec.errors import ExitLayerError, HeadMismatchError, InvalidConfigError, ModelNotFoundError
-from selfspec.heads.base import ExitHead, LMExitHead, check_fingerprint, model_fingerprint
+from selfspec.heads.base import ExitHead, LMExitHead, check_fingerprint, model_fingerprint, weights_follow
 from selfspec.heads.deep import DeepContextHead
 from selfspec.heads.kangaroo import KangarooAdapter
 from selfspec.heads.layer import DecoderLayerHead
@@ -97,7 +97,8 @@ def load_head(path: str | Path, split: SplitModel, exit_layer: int | None = None
             f"exit head '{path}' was trained for exit layer {cfg['exit_layer']}, not {exit_layer}"
             + (f" (its depths: {depths})" if len(depths) > 1 else "")
         )
-    head = new_head(cfg["kind"], split, cfg["exit_layer"], **cfg.get("args", {}))
+    with weights_follow():  # every weight comes from the file (checked below): none computed first
+        head = new_head(cfg["kind"], split, cfg["exit_layer"], **cfg.get("args", {}))
     state = load_file(str(Path(path) / WEIGHTS_NAME), device=str(split.device))
     head.trim_vocab(state.pop("vocab_ids", None))  # its length varies with the trim
     own = {n: t for n, t in head.state_dict().items() if n != "vocab_ids"}

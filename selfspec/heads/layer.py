@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from selfspec.heads.base import CachedHead, quantized_linear
+from selfspec.heads.base import CachedHead, quantized_linear, weights_to_follow
 from selfspec.heads.kangaroo import RMSNorm
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Rotary
@@ -26,8 +26,9 @@ from selfspec.quant.modules import dequantized_copy
 
 
 def quantized_block(block: nn.Module, type_name: str) -> nn.Module:
-    """A copy of ``block`` whose linear layers hold ``type_name`` block-quantized weights (what FastLayer packs)."""
-    out = copy.deepcopy(block)
+    """A copy of ``block`` whose linear layers hold ``type_name`` block-quantized weights (what FastLayer packs);
+    its float32 Linears are not copied (the copy's are replaced)."""
+    out = copy.deepcopy(block, memo={id(m): m for m in block.modules() if isinstance(m, nn.Linear)})
     for name, module in list(out.named_modules()):
         if isinstance(module, nn.Linear):  # (kept as it is when its input width takes no blocks)
             parent, _, child = name.rpartition(".")
@@ -41,7 +42,8 @@ class DecoderLayerHead(CachedHead):
     def __init__(self, split: SplitModel, exit_layer: int) -> None:
         super().__init__(split, exit_layer)
         src = min(exit_layer, split.num_layers - 1)  # the target layer copied (k, or the last at k = L)
-        block: Any = dequantized_copy(split.layers[src])  # the architecture's decoder layer (submodules by name)
+        # the architecture's decoder layer (submodules by name); its values only when no file's follow
+        block: Any = dequantized_copy(split.layers[src], values=not weights_to_follow())
         block.self_attn.layer_idx = 0  # its own one-layer cache
         self.block: nn.Module = block
         self.norm_out = RMSNorm(split.hidden_size, getattr(split.config, "rms_norm_eps", 1e-6))
