@@ -14,6 +14,7 @@ from selfspec.bench.batching import add_parser as add_bench_batch
 from selfspec.bench.forward import add_parser as add_bench_forward
 from selfspec.bench.pipeline import add_parser as add_bench_pipeline
 from selfspec.bench.quick import add_parser as add_bench_quick
+from selfspec.bench.rounds import add_parser as add_bench_rounds
 from selfspec.bench.specbench import add_parser as add_bench
 from selfspec.config import (
     DraftConfig,
@@ -124,6 +125,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     add_demo,  # demo (selfspec/demo.py)
     add_bench_quick,  # bench-quick (selfspec/bench/quick.py)
     add_bench_forward,  # bench-forward (selfspec/bench/forward.py)
+    add_bench_rounds,  # bench-rounds (selfspec/bench/rounds.py)
     add_bench,  # bench, bench report (selfspec/bench/specbench.py)
     add_bench_batch,  # bench-batch (selfspec/bench/batching.py)
     add_bench_pipeline,  # bench-pipeline (selfspec/bench/pipeline.py)

@@ -28,7 +28,7 @@ from selfspec.prefix_cache import PrefixCache
 from selfspec.sampling import greedy, make_generator, pick
 from selfspec.specee.decode import SPECEE_METHODS, SpecEERunner
 from selfspec.state import SequenceState
-from selfspec.stats import GenerationStats
+from selfspec.stats import GenerationStats, RoundRecord, round_marks, round_record
 
 METHODS = ("selfspec", "plain", *SPECEE_METHODS)
 MAX_TREE_NODES = 16  # the tree's head-drafted nodes (root included); the packed kernels take up to 16 rows
@@ -66,6 +66,8 @@ class Engine:
         self.split, self.drafter, self.gamma, self.tree_width = split, drafter, gamma, tree_width
         self.specee = specee  # SpecEE's predictors over this drafter's candidates (methods specee, specee-verified)
         self.prefix = prefix  # earlier prompts' keys and values (selfspec.prefix_cache), None: every prompt prefilled
+        # a list: every round of generate_tokens appends its RoundRecord (kind, drafts, wall time: bench-rounds)
+        self.round_log: list[RoundRecord] | None = None
 
     # ---- pieces -----------------------------------------------------------------------
     def need_drafter(self) -> Drafter:
@@ -205,7 +207,13 @@ class Engine:
         yield [seq.pending]
         while stats.new_tokens < gen.max_new_tokens:
             remaining = gen.max_new_tokens - stats.new_tokens
-            block, _ = core.cut(self.round(seq, gen, remaining, stats), remaining)
+            log = self.round_log
+            if log is None:
+                block, _ = core.cut(self.round(seq, gen, remaining, stats), remaining)
+            else:  # timed and classified (bench-rounds)
+                before, t = round_marks(stats), time.perf_counter()
+                block, _ = core.cut(self.round(seq, gen, remaining, stats), remaining)
+                log.append(round_record(gen.method, before, stats, time.perf_counter() - t))
             stats.new_tokens += len(block)
             stats.wall_time = time.perf_counter() - t0
             yield block

@@ -111,3 +111,33 @@ class GenerationStats:
             + (", rounds per depth " + " ".join(f"{d}:{n}" for d, n in sorted(self.draft_depths.items()))
                if len(self.draft_depths) > 1 else "")
         )
+
+
+@dataclass
+class RoundRecord:
+    """One decoding round as ``Engine.round_log`` records it (``selfspec bench-rounds``)."""
+
+    method: str  # the request's method ('plain', 'selfspec', ...)
+    kind: str  # 'plain step' (the plain method), 'no draft', 'head' (early-exit chain or tree) or 'lookup'
+    drafted: int  # drafts proposed (a tree: its depth)
+    accepted: int  # drafts accepted
+    seconds: float  # wall time of the round (propose, verify, commit)
+
+
+def round_marks(stats: GenerationStats) -> tuple[int, int, int]:
+    """What ``round_record`` compares after a round: (steps, lookup steps, drafts proposed so far)."""
+    return stats.steps, stats.lookup_steps, sum(stats.proposed_per_position) + stats.lookup_proposed
+
+
+def round_record(method: str, before: tuple[int, int, int], stats: GenerationStats, seconds: float) -> RoundRecord:
+    """The round between ``before`` (``round_marks`` then) and now, from the stats it updated."""
+    steps, lookups, proposed = round_marks(stats)
+    drafted = proposed - before[2]
+    accepted = stats.accept_lengths[-1] - 1 if steps > before[0] and stats.accept_lengths else 0
+    if method == "plain":
+        kind = "plain step"
+    elif drafted == 0:
+        kind = "no draft"
+    else:
+        kind = "lookup" if lookups > before[1] else "head"
+    return RoundRecord(method, kind, drafted, accepted, seconds)

@@ -346,3 +346,53 @@ def test_specee_methods_report_agreement_exits_and_plots(tiny_ss, tmp_path):
     assert (run / "pareto.png").stat().st_size > 1000 and (run / "exit_layers.png").stat().st_size > 1000
     with pytest.raises(InvalidConfigError, match="needs SpecEE predictors"):
         parse_method("specee:head=lm,exit_layer=1", BenchConfig(), tiny_ss)
+
+
+# ---- bench-rounds (selfspec/bench/rounds.py) ---------------------------------------------------
+def test_round_records_classify_each_kind():
+    from selfspec.stats import GenerationStats, round_marks, round_record
+
+    stats = GenerationStats()
+    cases = [("plain", (0, 0, "early_exit"), ("plain step", 0, 0)),
+             ("selfspec", (0, 0, "early_exit"), ("no draft", 0, 0)),
+             ("selfspec", (3, 1, "early_exit"), ("head", 3, 1)),
+             ("selfspec", (2, 2, "lookup"), ("lookup", 2, 2)),
+             ("selfspec", (4, 0, "early_exit"), ("head", 4, 0))]
+    for method, step, want in cases:
+        before = round_marks(stats)
+        stats.record_step(*step)
+        r = round_record(method, before, stats, 0.01)
+        assert (r.kind, r.drafted, r.accepted) == want
+
+
+def test_bench_rounds_records_every_round_and_changes_no_output(tiny_ss, tmp_path):
+    from selfspec.bench.rounds import RoundsBenchConfig, format_table, run
+    from selfspec.bench.rounds import summarize as summarize_rounds
+    from selfspec.config import GenerateConfig, ModelConfig
+    from selfspec.stats import RoundRecord
+
+    tiny_ss.set_draft(DraftConfig(exit_layer=2, head="lm", gamma=3, policy="fixed", lookup=5))
+    questions = [{"question_id": 161 + i, "category": "translation",
+                  "turns": ["Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat sat"]}
+                 for i in range(2)] + QUESTIONS[2:]
+    cfg = RoundsBenchConfig(questions=write_questions(tmp_path / "q.jsonl", questions), limit=4, max_new_tokens=12,
+                            out=str(tmp_path / "rounds.json"))
+    ids = tiny_ss.encode([{"role": "user", "content": questions[0]["turns"][0]}])
+    before = tiny_ss.generate(ids, GenerateConfig(max_new_tokens=12)).token_ids
+    res = run(ModelConfig(), cfg, ss=tiny_ss)
+    assert tiny_ss.engine.round_log is None  # unhooked after the run
+    assert tiny_ss.generate(ids, GenerateConfig(max_new_tokens=12)).token_ids == before
+    recs = res["records"]
+    # each prompt: 11 plain steps (the prefill gave the first token); the speculative rounds emit 11 tokens
+    assert sum(r["kind"] == "plain step" for r in recs) == 11 * len(questions)
+    spec = [r for r in recs if r["method"] == "selfspec"]
+    assert sum(r["accepted"] + 1 for r in spec) >= 11 * len(questions)
+    assert {r["kind"] for r in spec} <= {"no draft", "head", "lookup"} and any(r["drafted"] for r in spec)
+    s = res["summary"]
+    assert sum(k["rounds"] for k in s["kinds"].values()) == len(spec)
+    for k in s["kinds"].values():
+        assert k["value"] == pytest.approx((1 + k["mean_accepted"]) / k["steps"])
+    assert json.loads((tmp_path / "rounds.json").read_text())["summary"]["kinds"] == s["kinds"]
+    assert "plain step: median" in format_table(s)
+    with pytest.raises(InvalidConfigError, match="plain steps"):
+        summarize_rounds([RoundRecord("selfspec", "head", 1, 1, 0.01)])

@@ -17,7 +17,8 @@ from selfspec.cli import COMMANDS, build_parser
 from selfspec.config import GenerateConfig, add_config_args, config_from_args, opt
 from selfspec.train.sweep import SweepConfig
 
-COMMAND_NAMES = ["generate", "demo", "bench-quick", "bench-forward", "bench", "bench-batch", "bench-pipeline",
+COMMAND_NAMES = ["generate", "demo", "bench-quick", "bench-forward", "bench-rounds", "bench", "bench-batch",
+                 "bench-pipeline",
                  "train", "eval-draft", "sweep-exit", "answer-prompts", "collect-features", "train-deep",
                  "train-recipe",
                  "train-nested", "train-predictors", "tune", "serve"]

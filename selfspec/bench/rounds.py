@@ -1,0 +1,132 @@
+"""``selfspec bench-rounds``: what each kind of decoding round really costs, in plain steps, on real prompts.
+
+A drafting round's price decides whether speculation pays, and a calibration's parts (a block's forward timed on its
+own, the head timed hot in cache) can miss what a real decode pays (the head read cold from memory after the
+target's step, its catch-up rows, the proposal's and the verdict's Python). This times every round of real decodes,
+plain and the default alternating prompt by prompt (Spec-Bench questions, first turns, each prompt's cache emptied
+first), and sorts the speculative rounds by what they drafted:
+
+    kind        drafted   what the round did
+    no draft    0         the drafter proposed nothing (the head ran and its first draft was refused, or the policy
+                          chose a plain step): one row verified
+    head        g         an early-exit chain (or tree) of g drafts
+    lookup      g         a lookup block of g drafts (no head)
+
+and reports each kind's median wall time over the plain method's median step (``steps``), the drafts it got
+accepted, and ``value`` = (1 + accepted) / steps: tokens per plain step's time (> 1: the kind pays). Measured on
+Qwen2.5-0.5B (docs/BENCHMARKS.md, twenty-first session): a refused head draft 1.10 steps, one head draft 1.37, one
+lookup draft 1.22. Batch-1 engine only (``Engine.round_log``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from selfspec.api import SelfSpec
+from selfspec.bench.specbench import DEFAULT_QUESTIONS, load_questions, select_questions
+from selfspec.config import GenerateConfig, ModelConfig, add_config_args, config_from_args, opt
+from selfspec.errors import InvalidConfigError
+from selfspec.progress import progress
+from selfspec.stats import RoundRecord
+
+
+@dataclass
+class RoundsBenchConfig:
+    """Settings of ``selfspec bench-rounds``."""
+
+    questions: str = opt(DEFAULT_QUESTIONS, "Spec-Bench question file (JSONL: question_id, category, turns).")
+    categories: list[str] = opt([], "Only these groups (mt_bench, translation, ...) or categories; default all.")
+    limit: int = opt(4, "Questions per group (evenly spaced); their first turns are the prompts.")
+    max_new_tokens: int = opt(64, "New tokens per prompt.")
+    out: str = opt("runs/bench-rounds.json", "Where to write the results (JSON: settings, records, summary).")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(records: list[RoundRecord]) -> dict[str, Any]:
+    """Per kind of speculative round (``"<kind> <drafted>"``): rounds, median ms, ``steps`` (median over the plain
+    method's median step), mean accepted drafts and ``value`` = (1 + accepted) / steps; and both methods' ms per
+    token over all their rounds."""
+    plain = [r.seconds for r in records if r.kind == "plain step"]
+    if not plain:
+        raise InvalidConfigError("no plain steps recorded: bench-rounds prices rounds in plain steps")
+    step = statistics.median(plain)
+    groups: dict[str, list[RoundRecord]] = defaultdict(list)
+    for r in records:
+        if r.kind != "plain step":
+            groups[f"{r.kind} {r.drafted}"].append(r)
+    kinds = {}
+    for name, rs in sorted(groups.items(), key=lambda kv: (kv[1][0].kind, kv[1][0].drafted)):
+        med = statistics.median(r.seconds for r in rs)
+        acc = sum(r.accepted for r in rs) / len(rs)
+        kinds[name] = {"rounds": len(rs), "median_ms": 1e3 * med, "steps": med / step, "mean_accepted": acc,
+                       "value": (1 + acc) / (med / step)}
+    per_token = {}
+    for method in sorted({r.method for r in records}):
+        rs = [r for r in records if r.method == method]
+        per_token[method] = 1e3 * sum(r.seconds for r in rs) / sum(r.accepted + 1 for r in rs)
+    return {"plain_step_ms": 1e3 * step, "plain_steps": len(plain), "kinds": kinds, "ms_per_token": per_token}
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    lines = [f"plain step: median {summary['plain_step_ms']:.2f} ms over {summary['plain_steps']} steps",
+             "", "| round | rounds | median | plain steps | mean accepted | value (tokens per step's time) |",
+             "|---|---|---|---|---|---|"]
+    for name, k in summary["kinds"].items():
+        lines.append(f"| {name} | {k['rounds']} | {k['median_ms']:.2f} ms | {k['steps']:.3f} | "
+                     f"{k['mean_accepted']:.2f} | {k['value']:.3f} |")
+    lines.append("")
+    lines += [f"{m}: {ms:.2f} ms per token" for m, ms in summary["ms_per_token"].items()]
+    return "\n".join(lines)
+
+
+def run(model_cfg: ModelConfig, cfg: RoundsBenchConfig, ss: SelfSpec | None = None) -> dict[str, Any]:
+    """Decode each chosen question's first turn with the plain method and the default in turn (after a warm-up of
+    both), every round recorded; -> {settings, summary, records} (also written to ``cfg.out``)."""
+    if cfg.limit < 1 or cfg.max_new_tokens < 2:
+        raise InvalidConfigError("limit must be >= 1 and max_new_tokens >= 2")
+    questions = select_questions(load_questions(cfg.questions), cfg.categories, cfg.limit)
+    ss = ss if ss is not None else SelfSpec.load(model_cfg)
+    prompts = [(q.group, ss.encode([{"role": "user", "content": q.turns[0]}])) for q in questions]
+    gens = {m: GenerateConfig(max_new_tokens=cfg.max_new_tokens, method=m) for m in ("plain", "selfspec")}
+    for gen in gens.values():  # warm-up, not recorded
+        ss.generate(prompts[0][1], gen)
+    log: list[RoundRecord] = []
+    ss.engine.round_log = log
+    try:
+        for _, ids in progress(prompts, desc="rounds", unit="prompt"):
+            for gen in gens.values():
+                ss.prefix_cache.clear()  # each prompt prefilled whole by both methods
+                ss.generate(ids, gen)
+    finally:
+        ss.engine.round_log = None
+    summary = summarize(log)
+    out = {"settings": {"model": model_cfg.to_dict(),
+                        "bench": cfg.to_dict(), "cpu": platform.processor() or platform.machine(),
+                        "draft": asdict(ss.draft_config)},
+           "summary": summary, "records": [asdict(r) for r in log]}
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(cfg.out).write_text(json.dumps(out, indent=1))
+    return out
+
+
+def cmd(args: argparse.Namespace) -> int:
+    res = run(config_from_args(args, ModelConfig), config_from_args(args, RoundsBenchConfig))
+    print(format_table(res["summary"]))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench-rounds", help="What each kind of decoding round costs in plain steps, on real prompts "
+                                            "(plain and the default alternating).")
+    add_config_args(p, ModelConfig)
+    add_config_args(p, RoundsBenchConfig)
+    p.set_defaults(func=cmd)
