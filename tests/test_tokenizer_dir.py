@@ -1,5 +1,6 @@
 """A GGUF's cached tokenizer directory opened straight from its tokenizer.json (``open_tokenizer_dir``) encodes,
-decodes and applies the chat template exactly as ``AutoTokenizer`` opening the same directory does."""
+decodes and applies the chat template exactly as ``AutoTokenizer`` opening the same directory does; where a
+directory's two openings would differ, the first open finds out and ``AutoTokenizer`` opens it from then on."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from selfspec.config import ModelConfig
-from selfspec.models.gguf import open_tokenizer_dir
+from selfspec.models.gguf import FAST_OPEN_MARK, open_tokenizer_dir, same_tokenizer
 from selfspec.models.loading import _native_key, cache_root, local_gguf
 
 TEXTS = [
@@ -75,3 +76,40 @@ def test_the_loaded_model_uses_it(default_ss):
     tok = load_gguf_tokenizer(gguf, cache_root() / "tokenizers" / _native_key(gguf))
     assert type(tok).__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
     assert tok("Hi there")["input_ids"] == default_ss.tokenizer("Hi there")["input_ids"]
+
+
+def test_first_open_compares_and_keeps_the_verdict(default_ss, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    import transformers
+
+    src = cache_root() / "tokenizers" / _native_key(local_gguf(ModelConfig()))
+    folder = tmp_path / "tok"
+    shutil.copytree(src, folder, ignore=shutil.ignore_patterns(FAST_OPEN_MARK))
+    opened = open_tokenizer_dir(folder)  # first open: compared with AutoTokenizer's, found the same
+    assert json.loads((folder / FAST_OPEN_MARK).read_text()) == {"same": True}
+    assert opened("Hi there")["input_ids"] == default_ss.tokenizer("Hi there")["input_ids"]
+
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: calls.append(a) or real(*a, **k))
+    open_tokenizer_dir(folder)
+    assert calls == []  # a directory found the same: AutoTokenizer is not built again
+
+    (folder / FAST_OPEN_MARK).unlink()
+    monkeypatch.setattr("selfspec.models.gguf.same_tokenizer", lambda a, b: False)  # as if they differed
+    tok = open_tokenizer_dir(folder)
+    assert json.loads((folder / FAST_OPEN_MARK).read_text()) == {"same": False} and len(calls) == 1
+    assert tok("Hi there")["input_ids"] == default_ss.tokenizer("Hi there")["input_ids"]
+    open_tokenizer_dir(folder)
+    assert len(calls) == 2  # from then on AutoTokenizer opens it
+
+
+def test_same_tokenizer_sees_a_difference(pair):
+    fast, ref = pair
+    assert same_tokenizer(fast, ref)
+    other = open_tokenizer_dir(cache_root() / "tokenizers" / _native_key(local_gguf(ModelConfig())))
+    other.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert not same_tokenizer(other, ref)

@@ -29,7 +29,7 @@ from torch import nn
 from selfspec.errors import ModelNotFoundError, SelfSpecError
 from selfspec.models.lean import meta_model
 from selfspec.models.split import check_supported
-from selfspec.paths import atomic_dir
+from selfspec.paths import atomic_dir, atomic_write_text
 from selfspec.progress import progress, quiet_transformers
 from selfspec.quant.formats import FLOAT_TYPES, check_type
 from selfspec.quant.store import assemble, load_packed, save_packed
@@ -125,26 +125,71 @@ def load_gguf_model(path: Path, cache: Path | None = None, mmap: bool = False) -
 
 # tokenizer_config.json entries that describe the saved directory, not the tokenizer's settings
 _DIRECTORY_KEYS = ("tokenizer_class", "backend", "is_local", "local_files_only", "auto_map", "added_tokens_decoder")
+FAST_OPEN_MARK = "selfspec_fast_open.json"  # {"same": bool}: whether open_tokenizer_dir matched AutoTokenizer here
+_PROBE_TEXTS = ("Hello there!", "  spaces\n\n\ttabs  ", "Übersetze: 'Guten Morgen' — 日本語 🙂", "def f(x):\n    return x**2",
+                "3.14159, 1,000,000 and https://example.com/a?b=c")
+_PROBE_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+               {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}]
+
+
+def same_tokenizer(a: Any, b: Any) -> bool:
+    """Whether tokenizers ``a`` and ``b`` agree on probe texts (ids with and without special tokens, decodes), the
+    chat template's text and ids, and the special token ids."""
+    try:
+        for text in _PROBE_TEXTS:
+            for special in (True, False):
+                ids = a(text, add_special_tokens=special)["input_ids"]
+                if ids != b(text, add_special_tokens=special)["input_ids"]:
+                    return False
+                if any(a.decode(ids, skip_special_tokens=k) != b.decode(ids, skip_special_tokens=k) for k in (True, False)):
+                    return False
+        if a.chat_template != b.chat_template:
+            return False
+        if b.chat_template:
+            for gen in (True, False):
+                if (a.apply_chat_template(_PROBE_CHAT, add_generation_prompt=gen, tokenize=False)
+                        != b.apply_chat_template(_PROBE_CHAT, add_generation_prompt=gen, tokenize=False)):
+                    return False
+        return all(getattr(a, n) == getattr(b, n) for n in ("eos_token_id", "pad_token_id", "bos_token_id",
+                                                            "all_special_ids")) and len(a) == len(b)
+    except Exception:  # a template or setting one of them cannot handle: not the same
+        return False
 
 
 def open_tokenizer_dir(cache_dir: Path) -> Any:
     """A tokenizer directory this module saved, opened as transformers' fast tokenizer straight from its
     tokenizer.json (the tokenizers library parses it) with its tokenizer_config.json settings and chat template.
     ``AutoTokenizer`` builds the architecture's own class, which parses the whole vocabulary and merges in Python
-    first (Qwen2.5: 1.06 -> 0.26 s; SmolLM2: 0.44 -> 0.08 s and 8 MB less resident); encoding, decoding and chat
-    templates are the same (tests/test_tokenizer_dir.py). Without a tokenizer.json, ``AutoTokenizer``."""
+    first (Qwen2.5: 1.06 -> 0.26 s; SmolLM2: 0.44 -> 0.08 s and 8 MB less resident). The first open of a directory
+    also builds ``AutoTokenizer``'s and compares the two (``same_tokenizer``); the verdict is kept in the directory
+    (FAST_OPEN_MARK), and where they differ (an architecture class that adds what the generic one does not)
+    ``AutoTokenizer`` opens it, now and later. Without a tokenizer.json, ``AutoTokenizer``."""
     import json
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if not (cache_dir / "tokenizer.json").is_file():
+    mark = cache_dir / FAST_OPEN_MARK
+    try:
+        verdict = json.loads(mark.read_text()).get("same") if mark.is_file() else None
+    except (OSError, ValueError):
+        verdict = None
+    if not (cache_dir / "tokenizer.json").is_file() or verdict is False:
         return AutoTokenizer.from_pretrained(str(cache_dir))
     settings = json.loads((cache_dir / "tokenizer_config.json").read_text())
     kw = {k: v for k, v in settings.items() if k not in _DIRECTORY_KEYS}
     template = cache_dir / "chat_template.jinja"
     if template.is_file():
         kw["chat_template"] = template.read_text()
-    return PreTrainedTokenizerFast(tokenizer_file=str(cache_dir / "tokenizer.json"), **kw)
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(cache_dir / "tokenizer.json"), **kw)
+    if verdict is None:  # first open: compare with AutoTokenizer's once
+        ref = AutoTokenizer.from_pretrained(str(cache_dir))
+        same = same_tokenizer(fast, ref)
+        try:
+            atomic_write_text(mark, json.dumps({"same": same}))
+        except OSError:
+            pass  # a read-only cache: compared again next time
+        return fast if same else ref
+    return fast
 
 
 def load_gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
