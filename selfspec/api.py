@@ -75,6 +75,8 @@ class SelfSpec:
         self.engine = Engine(self.split, built.drafter, gamma=built.gamma, tree_width=built.tree_width,
                              specee=built.specee, prefix=self.prefix_cache)
         self.draft_config, self.head, self.tuning_result = built.draft, built.head, built.tuning
+        if self.split.screen is not None:  # the greedy verification's int8 screen: its table now, not mid-request
+            self.split.screen.prepare()
         trim_heap()  # what the setup freed (a released head's float weights, the cost check's forwards): back to the system
 
     def tuning(self, head: ExitHead | None = None, refresh: bool = False) -> Tuning:

@@ -68,10 +68,15 @@ class ScreenedArgmax:
     def covers(self, rows: int) -> bool:
         return SCREEN_MIN_ROWS <= rows <= SCREEN_MAX_ROWS
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:  # x [M, K] float32 -> [M] int64, or None
-        """Each row's argmax, or None when ``x`` holds a non-finite value (the caller computes the logits)."""
+    def prepare(self) -> None:
+        """Build the bound table now (~0.2 s for Qwen2.5's LM head, ~1 MB), not in the first screened verification:
+        that one's request would stall for it (``SelfSpec.set_draft`` calls this)."""
         if self._table is None:
             self._table = error_table(self.weight)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:  # x [M, K] float32 -> [M] int64, or None
+        """Each row's argmax, or None when ``x`` holds a non-finite value (the caller computes the logits)."""
+        self.prepare()
         out = torch.empty(x.shape[0], dtype=torch.long)
         codes, scales, offsets, bits, group, z = self.weight.kernel_args()
         blocks = built_extension().qargmax(x.contiguous(), codes, scales, offsets, bits, group, z,
