@@ -122,6 +122,7 @@ class RoundRecord:
     drafted: int  # drafts proposed (a tree: its depth)
     accepted: int  # drafts accepted
     seconds: float  # wall time of the round (propose, verify, commit)
+    prompt: int = -1  # which of a benchmark's prompts (bench-rounds sets it; -1: unknown)
 
 
 def round_marks(stats: GenerationStats) -> tuple[int, int, int]:

@@ -392,6 +392,11 @@ def test_bench_rounds_records_every_round_and_changes_no_output(tiny_ss, tmp_pat
     assert sum(k["rounds"] for k in s["kinds"].values()) == len(spec)
     for k in s["kinds"].values():
         assert k["value"] == pytest.approx((1 + k["mean_accepted"]) / k["steps"])
+    assert {r["prompt"] for r in recs} == set(range(len(questions)))  # every round knows its prompt
+    # a round is priced in its own prompt's plain steps: a prompt whose steps take twice as long counts the same
+    two = [RoundRecord("plain", "plain step", 0, 0, 0.01, 0), RoundRecord("plain", "plain step", 0, 0, 0.02, 1),
+           RoundRecord("selfspec", "head", 1, 1, 0.012, 0), RoundRecord("selfspec", "head", 1, 1, 0.024, 1)]
+    assert summarize_rounds(two)["kinds"]["head 1"]["steps"] == pytest.approx(1.2)
     assert json.loads((tmp_path / "rounds.json").read_text())["summary"]["kinds"] == s["kinds"]
     assert "plain step: median" in format_table(s)
     with pytest.raises(InvalidConfigError, match="plain steps"):

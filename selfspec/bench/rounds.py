@@ -12,8 +12,10 @@ first), and sorts the speculative rounds by what they drafted:
     head        g         an early-exit chain (or tree) of g drafts
     lookup      g         a lookup block of g drafts (no head)
 
-and reports each kind's median wall time over the plain method's median step (``steps``), the drafts it got
-accepted, and ``value`` = (1 + accepted) / steps: tokens per plain step's time (> 1: the kind pays). Measured on
+and reports each kind's rounds in plain steps of the same prompt (``steps``: a round's wall time over the plain
+method's median step on that prompt, so kinds that happen more in long prompts are not priced against short ones'
+steps; the median over the kind's rounds), the drafts it got accepted, and ``value`` = (1 + accepted) / steps:
+tokens per plain step's time (> 1: the kind pays). Measured on
 Qwen2.5-0.5B (docs/BENCHMARKS.md, twenty-first session): a refused head draft 1.10 steps, one head draft 1.37, one
 lookup draft 1.22. Batch-1 engine only (``Engine.round_log``).
 """
@@ -52,23 +54,28 @@ class RoundsBenchConfig:
 
 
 def summarize(records: list[RoundRecord]) -> dict[str, Any]:
-    """Per kind of speculative round (``"<kind> <drafted>"``): rounds, median ms, ``steps`` (median over the plain
-    method's median step), mean accepted drafts and ``value`` = (1 + accepted) / steps; and both methods' ms per
-    token over all their rounds."""
+    """Per kind of speculative round (``"<kind> <drafted>"``): rounds, median ms, ``steps`` (the median of each
+    round's time over its prompt's median plain step), mean accepted drafts and ``value`` = (1 + accepted) / steps;
+    and both methods' ms per token over all their rounds."""
     plain = [r.seconds for r in records if r.kind == "plain step"]
     if not plain:
         raise InvalidConfigError("no plain steps recorded: bench-rounds prices rounds in plain steps")
     step = statistics.median(plain)
+    by_prompt: dict[int, list[float]] = defaultdict(list)
+    for r in records:
+        if r.kind == "plain step":
+            by_prompt[r.prompt].append(r.seconds)
+    prompt_step = {p: statistics.median(ts) for p, ts in by_prompt.items()}
     groups: dict[str, list[RoundRecord]] = defaultdict(list)
     for r in records:
         if r.kind != "plain step":
             groups[f"{r.kind} {r.drafted}"].append(r)
     kinds = {}
     for name, rs in sorted(groups.items(), key=lambda kv: (kv[1][0].kind, kv[1][0].drafted)):
-        med = statistics.median(r.seconds for r in rs)
+        steps = statistics.median(r.seconds / prompt_step.get(r.prompt, step) for r in rs)
         acc = sum(r.accepted for r in rs) / len(rs)
-        kinds[name] = {"rounds": len(rs), "median_ms": 1e3 * med, "steps": med / step, "mean_accepted": acc,
-                       "value": (1 + acc) / (med / step)}
+        kinds[name] = {"rounds": len(rs), "median_ms": 1e3 * statistics.median(r.seconds for r in rs),
+                       "steps": steps, "mean_accepted": acc, "value": (1 + acc) / steps}
     per_token = {}
     for method in sorted({r.method for r in records}):
         rs = [r for r in records if r.method == method]
@@ -78,7 +85,7 @@ def summarize(records: list[RoundRecord]) -> dict[str, Any]:
 
 def format_table(summary: dict[str, Any]) -> str:
     lines = [f"plain step: median {summary['plain_step_ms']:.2f} ms over {summary['plain_steps']} steps",
-             "", "| round | rounds | median | plain steps | mean accepted | value (tokens per step's time) |",
+             "", "| round | rounds | median | plain steps (of its prompt) | mean accepted | value (tokens per step's time) |",
              "|---|---|---|---|---|---|"]
     for name, k in summary["kinds"].items():
         lines.append(f"| {name} | {k['rounds']} | {k['median_ms']:.2f} ms | {k['steps']:.3f} | "
@@ -102,10 +109,13 @@ def run(model_cfg: ModelConfig, cfg: RoundsBenchConfig, ss: SelfSpec | None = No
     log: list[RoundRecord] = []
     ss.engine.round_log = log
     try:
-        for _, ids in progress(prompts, desc="rounds", unit="prompt"):
+        for i, (_, ids) in enumerate(progress(prompts, desc="rounds", unit="prompt")):
             for gen in gens.values():
                 ss.prefix_cache.clear()  # each prompt prefilled whole by both methods
+                start = len(log)
                 ss.generate(ids, gen)
+                for r in log[start:]:
+                    r.prompt = i
     finally:
         ss.engine.round_log = None
     summary = summarize(log)
