@@ -114,11 +114,13 @@ def dequantized_copy(module: nn.Module, values: bool = True) -> nn.Module:
             bias = child.bias is not None
             lin = nn.Linear(child.in_features, child.out_features, bias=bias)
             if values:
+                had_dense = child._dense is not None  # (the target's own module: leave it as it was)
                 with torch.no_grad():
                     lin.weight.copy_(child.weight)
                     if child.bias is not None:
                         lin.bias.copy_(child.bias)
-                child.drop_dense()
+                if not had_dense:
+                    child.drop_dense()
             parent, _, attr = name.rpartition(".")
             setattr(out.get_submodule(parent) if parent else out, attr, lin)
     return out
