@@ -35,6 +35,7 @@ from selfspec.api import SelfSpec
 from selfspec.bench.specbench import DEFAULT_QUESTIONS, load_questions, select_questions
 from selfspec.config import GenerateConfig, ModelConfig, add_config_args, config_from_args, opt
 from selfspec.errors import InvalidConfigError
+from selfspec.paths import atomic_write_text
 from selfspec.progress import progress
 from selfspec.stats import RoundRecord
 
@@ -57,19 +58,18 @@ def summarize(records: list[RoundRecord]) -> dict[str, Any]:
     """Per kind of speculative round (``"<kind> <drafted>"``): rounds, median ms, ``steps`` (the median of each
     round's time over its prompt's median plain step), mean accepted drafts and ``value`` = (1 + accepted) / steps;
     and both methods' ms per token over all their rounds."""
-    plain = [r.seconds for r in records if r.kind == "plain step"]
-    if not plain:
-        raise InvalidConfigError("no plain steps recorded: bench-rounds prices rounds in plain steps")
-    step = statistics.median(plain)
-    by_prompt: dict[int, list[float]] = defaultdict(list)
+    by_prompt: dict[int, list[float]] = defaultdict(list)  # plain steps per prompt
+    groups: dict[str, list[RoundRecord]] = defaultdict(list)  # speculative rounds per kind
     for r in records:
         if r.kind == "plain step":
             by_prompt[r.prompt].append(r.seconds)
-    prompt_step = {p: statistics.median(ts) for p, ts in by_prompt.items()}
-    groups: dict[str, list[RoundRecord]] = defaultdict(list)
-    for r in records:
-        if r.kind != "plain step":
+        else:
             groups[f"{r.kind} {r.drafted}"].append(r)
+    plain = [t for ts in by_prompt.values() for t in ts]
+    if not plain:
+        raise InvalidConfigError("no plain steps recorded: bench-rounds prices rounds in plain steps")
+    step = statistics.median(plain)
+    prompt_step = {p: statistics.median(ts) for p, ts in by_prompt.items()}
     kinds = {}
     for name, rs in sorted(groups.items(), key=lambda kv: (kv[1][0].kind, kv[1][0].drafted)):
         steps = statistics.median(r.seconds / prompt_step.get(r.prompt, step) for r in rs)
@@ -102,14 +102,14 @@ def run(model_cfg: ModelConfig, cfg: RoundsBenchConfig, ss: SelfSpec | None = No
         raise InvalidConfigError("limit must be >= 1 and max_new_tokens >= 2")
     questions = select_questions(load_questions(cfg.questions), cfg.categories, cfg.limit)
     ss = ss if ss is not None else SelfSpec.load(model_cfg)
-    prompts = [(q.group, ss.encode([{"role": "user", "content": q.turns[0]}])) for q in questions]
+    prompts = [ss.encode([{"role": "user", "content": q.turns[0]}]) for q in questions]
     gens = {m: GenerateConfig(max_new_tokens=cfg.max_new_tokens, method=m) for m in ("plain", "selfspec")}
     for gen in gens.values():  # warm-up, not recorded
-        ss.generate(prompts[0][1], gen)
+        ss.generate(prompts[0], gen)
     log: list[RoundRecord] = []
     ss.engine.round_log = log
     try:
-        for i, (_, ids) in enumerate(progress(prompts, desc="rounds", unit="prompt")):
+        for i, ids in enumerate(progress(prompts, desc="rounds", unit="prompt")):
             for gen in gens.values():
                 ss.prefix_cache.clear()  # each prompt prefilled whole by both methods
                 start = len(log)
@@ -123,8 +123,7 @@ def run(model_cfg: ModelConfig, cfg: RoundsBenchConfig, ss: SelfSpec | None = No
                         "bench": cfg.to_dict(), "cpu": platform.processor() or platform.machine(),
                         "draft": asdict(ss.draft_config)},
            "summary": summary, "records": [asdict(r) for r in log]}
-    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(cfg.out).write_text(json.dumps(out, indent=1))
+    atomic_write_text(Path(cfg.out), json.dumps(out, indent=1))  # never a half-written results file
     return out
 
 

@@ -103,8 +103,8 @@ def dequantized_copy(module: nn.Module, values: bool = True) -> nn.Module:
     """A deep copy of ``module`` with every QuantLinear turned into a float32 ``nn.Linear`` (a trainable
     copy of a target layer: an exit head's block). ``values=False``: those Linears keep nn.Linear's own
     initialization (a head whose weights are loaded from its file next: nothing is dequantized; ``skip_init``'s
-    uninitialized Linears left 35 MB more resident after the head's load, through the allocator). The QuantLinears are never copied
-    (the copy's are replaced; a deep copy would duplicate the packed buffer they are views of)."""
+    uninitialized Linears left 35 MB more resident after the head's load, through the allocator). The QuantLinears
+    are never copied (the copy's are replaced; a deep copy would duplicate the packed buffer they are views of)."""
     import copy
 
     quantized = {id(m): m for m in module.modules() if isinstance(m, QuantLinear)}
