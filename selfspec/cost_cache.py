@@ -85,7 +85,7 @@ def cost_key(split: SplitModel, head: ExitHead, depth: int) -> dict[str, Any]:
         "model": {**model_fingerprint(split), "intermediate_size": getattr(c, "intermediate_size", None),
                   "windows": split.windows, "dtype": str(split.dtype), "quantization": _quantization(split),
                   "backend": split.backend, "kernel": split.kernel},
-        "head": {"id": head_identity(head), "kind": head.kind, "params": sum(p.numel() for p in head.parameters()),
+        "head": {"id": head_identity(head), "kind": head.kind, "params": head.num_params(),
                  "vocab_drafted": len(head.vocab_ids), "depth": depth,
                  "draft_weights": head.draft_weights},
         "kernels": {"source": kernel_source_hash(), "env": os.environ.get("SELFSPEC_KERNEL", "")},

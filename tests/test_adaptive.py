@@ -420,3 +420,29 @@ def test_a_stateful_head_does_not_draft_past_its_catch_up_limit(tmp_path):
     drafter.catch_up_limit = 2 * len(prompt)
     out = ss.generate(prompt, max_new_tokens=12, ignore_eos=True)
     assert out.token_ids == ref and sum(out.stats.proposed_per_position) > 0
+
+
+def test_a_head_the_calibration_turns_off_keeps_no_weights_until_run(tmp_path):
+    """A head from a directory that the calibration turns off (a random model's exit never pays) drops its matrices
+    at setup (``ExitHead.unload``): requests stay lossless and leave it so; running it afterwards (a cost
+    benchmark, a new calibration) loads them again from the directory, giving a fresh load's logits."""
+    from selfspec.quant.convert import quantize_model
+
+    ss = SelfSpec(quantize_model(tiny_model("llama"), "Q4_0"), tiny_tokenizer(), None)
+    save_head(new_head("deep", ss.split, 2), tmp_path / "head")
+    ss.set_draft(DraftConfig(head=str(tmp_path / "head")))
+    head, drafter = ss.head, ss.engine.drafter
+    assert ss.tuning_result.gamma == 0 and not drafter.head_drafts
+    assert head.unloaded and head.fuse.weight.numel() == 0 and not head._packed and head._fast is None
+    prompt = prompt_of(9, 4) * 3
+    assert ss.generate(prompt, max_new_tokens=NEW).token_ids == hf_greedy(ss.model, prompt, NEW)
+    assert head.unloaded  # (the drafter never ran it)
+    fresh = load_head(tmp_path / "head", ss.split)
+    fresh.release_float()
+    h, ctx = torch.randn(1, 3, ss.split.hidden_size), torch.randn(1, 3, ss.split.hidden_size)
+    pos = torch.arange(3)[None]
+    with torch.inference_mode():
+        got = head(h, pos, head.new_state(8), ctx)
+        want = fresh(h, pos, fresh.new_state(8), ctx)
+    assert not head.unloaded and head.released == fresh.released
+    assert torch.equal(got, want)

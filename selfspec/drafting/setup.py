@@ -50,9 +50,6 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     the acceptance seen so far (a Thompson posterior per request, or ``CostAwarePolicy``).
     -> (drafter, most drafts per round, the config as resolved, the calibration or None)."""
     head = ss.make_head(draft)
-    head.prepare()  # its draft kernels built now, not in the first request
-    if head.source is not None:  # a head loaded from its directory to draft with: its packed copies suffice
-        head.release_float()
     check(draft)
     tuning = None
     if draft.gamma is None and draft.tune != "off":
@@ -77,6 +74,12 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     # a calibration that found no early-exit draft paying: lookup alone, unless the user wants exploration
     head_drafts = not (tuning is not None and tuning.gamma == 0 and draft.gamma is None and not draft.explore
                        and draft.lookup > 0)
+    if head_drafts:
+        head.prepare()  # its draft kernels built now, not in the first request
+        if head.source is not None:  # a head loaded from its directory to draft with: its packed copies suffice
+            head.release_float()
+    else:  # it never runs: none of its weights kept (loaded again should something run it, ExitHead.unload)
+        head.unload()
     limit = math.inf  # with a calibration, a stateful head drafts only where its catch-up can pay
     if tuning is not None and head.stateful:
         limit = catch_up_limit(ss.draft_costs(head, draft, head.exit_layer), tuning, ss.split.num_layers - head.exit_layer)

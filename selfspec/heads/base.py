@@ -99,6 +99,11 @@ def check_fingerprint(saved: dict[str, Any], split: SplitModel, where: str) -> N
         raise HeadMismatchError(f"exit head {where} does not match this model ({details})")
 
 
+def _load_before_forward(head: Any, args: Any) -> None:
+    """A forward pre-hook: an unloaded head's matrices first (``ExitHead.ensure_loaded``)."""
+    head.ensure_loaded()
+
+
 class ExitHead(nn.Module):
     """Base class. Subclasses set ``kind`` and implement ``forward``; stateful ones also
     ``new_state`` / ``rollback`` / ``seen``.
@@ -127,11 +132,15 @@ class ExitHead(nn.Module):
         self.recommended_draft: dict[str, Any] = {}
         self.source: str | None = None  # the directory the head was loaded from (its SpecEE predictors live there)
         self.released = False  # its float32 matrices dropped for inference (``release_float``): packed copies only
+        # every matrix dropped (``unload``: a calibration turned the head off); loaded again from ``source`` on use
+        self.unloaded = False
+        self.register_forward_pre_hook(_load_before_forward)
 
     def linear(self, module: nn.Linear) -> Any:
         """``module`` through selfspec's decoding kernels (packed once per weight version, in ``draft_weights``
         when its input width takes blocks) when drafting on the fast backend; the module itself while training
         (gradients) or on the reference backend."""
+        self.ensure_loaded()
         hit = self._packed.get(id(module))
         if hit is not None and hit[1] < 0:  # its float weight released (release_float): the packed copy only
             return hit[2]
@@ -166,6 +175,7 @@ class ExitHead(nn.Module):
 
     def prepare(self) -> None:
         """Build what drafting uses (the trimmed LM rows, packed or quantized weights) ahead of the first draft."""
+        self.ensure_loaded()
         if len(self.vocab_ids) and self._trim_lm is None:
             with torch.inference_mode():
                 self._trim_lm = self.split.lm_head_part(self.vocab_ids)
@@ -191,6 +201,54 @@ class ExitHead(nn.Module):
     def float_matrices(self) -> list[nn.Linear]:
         """The linear layers whose float32 weights ``release_float`` may drop (each packed before)."""
         return []
+
+    def num_params(self) -> int:
+        """The head's parameter count, its dropped matrices (``release_float``, ``unload``) counted as loaded."""
+        return (sum(p.numel() for p in self.parameters())
+                + sum(m.in_features * m.out_features for m in self.float_matrices() if m.weight.numel() == 0))
+
+    def unload(self) -> int:
+        """Drop every matrix the head drafts with (float32 weights, packed copies, the drafted vocabulary's LM rows)
+        when it will not draft: the calibration turned it off and its drafter proposes by lookup alone. Only a head
+        loaded from its directory (``source``); run again (a cost benchmark, a new calibration, training), it first
+        loads them from there (``ensure_loaded``) as a loaded head drafts with them (``release_float``). The default model's bundled head: 9.4 MB
+        of the process after load (docs/QUANTIZED.md). -> bytes dropped (0: nothing, the head keeps its weights)."""
+        if self.source is None or self.unloaded:
+            return 0
+        packs = [p for _, _, p in self._packed.values()] + self._built_packs()
+        if self._trim_lm is not None:
+            packs.append(self._trim_lm)
+        freed = sum(w.nbytes for p in packs for w, _ in p.parts) + sum(m.weight.nbytes for m in self.float_matrices())
+        for module in self.float_matrices():
+            module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
+        self._packed.clear()
+        self._trim_lm = None
+        self._drop_built()
+        self.released, self.unloaded = False, True
+        return freed
+
+    def ensure_loaded(self) -> None:
+        """Bring back the matrices ``unload`` dropped, from the head's directory (a no-op otherwise)."""
+        if not self.unloaded:
+            return
+        from safetensors.torch import load_file  # noqa: PLC0415 (rarely needed)
+
+        assert self.source is not None  # only a head from a directory unloads
+        names = {id(m): n for n, m in self.named_modules()}
+        with torch.inference_mode(False):  # (first run inside a draft or a timing's inference mode)
+            state = load_file(str(Path(self.source) / "head.safetensors"), device=str(self.split.device))
+            for module in self.float_matrices():
+                module.weight = nn.Parameter(state[f"{names[id(module)]}.weight"].to(self.split.dtype),
+                                             requires_grad=False)
+        self.unloaded = False
+        self.release_float()  # packed as for drafting, float32 dropped where those suffice
+
+    def _built_packs(self) -> list[PackedLinear]:
+        """Packed linears a subclass built for drafting beyond ``linear``'s (a decoder layer's FastLayer)."""
+        return []
+
+    def _drop_built(self) -> None:
+        """Forget what ``_built_packs`` lists (``unload``)."""
 
     def lm_part(self, x_normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen LM head on normed states ``# [..., hidden]`` over the drafted vocabulary only: (logits

@@ -74,6 +74,7 @@ class DecoderLayerHead(CachedHead):
     def _fast_block(self) -> FastLayer | None:
         """The block as a FastLayer (packed weights, see ``draft_weights``) for inference on the fast backend;
         rebuilt when the weights change (an optimizer step bumps their version)."""
+        self.ensure_loaded()
         if self.released:
             assert self._fast is not None, "released after the block was packed"
             if torch.is_grad_enabled():
@@ -90,6 +91,13 @@ class DecoderLayerHead(CachedHead):
             self._fast = (version, FastLayer(block, 0, self._window))
         return self._fast[1]
 
+    def _built_packs(self) -> list[Any]:
+        fast = self._fast[1] if self._fast is not None else None
+        return [] if fast is None else [fast.qkv, fast.o, fast.gate_up, fast.down]
+
+    def _drop_built(self) -> None:
+        self._fast = None
+
     def float_matrices(self) -> list[nn.Linear]:
         """The block's linear layers (packed as ``draft_weights`` in its FastLayer)."""
         return [m for m in self.block.modules() if isinstance(m, nn.Linear)]
@@ -99,6 +107,7 @@ class DecoderLayerHead(CachedHead):
         """The copied decoder layer over ``h`` ``# [batch, n, hidden]`` (appending to ``state`` when given;
         ``tree``: the n rows are token-tree nodes, as in ``SplitModel.run_layers``)."""
         split = self.split
+        self.ensure_loaded()
         rot = split.rotary(h, positions, self._kind)
         n = h.shape[1]
         if state is not None:

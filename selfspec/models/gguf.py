@@ -100,12 +100,13 @@ def load_gguf_model(path: Path, cache: Path | None = None, mmap: bool = False) -
     where config, packed and float tensors are kept after the first load; later loads map them instead of
     parsing the GGUF (its metadata and name map alone take seconds) and decoding its blocks again (``mmap``:
     mapped from the file, else read into 2 MB pages, ``load_packed``)."""
-    from transformers import AutoConfig
-
     hit = load_packed(cache, mmap=mmap) if cache is not None else None
     if hit is not None:
         config, quant, floats = hit
     else:
+        # (imported only here: the auto classes' modules are 4.8 MB resident)
+        from transformers import AutoConfig
+
         try:
             with quiet_transformers():
                 config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -166,7 +167,12 @@ def open_tokenizer_dir(cache_dir: Path) -> Any:
     ``AutoTokenizer`` opens it, now and later. Without a tokenizer.json, ``AutoTokenizer``."""
     import json
 
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    def auto_tokenizer() -> Any:  # (imported only when needed: the auto classes' modules are 4.8 MB resident)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(cache_dir))
 
     mark = cache_dir / FAST_OPEN_MARK
     try:
@@ -174,7 +180,7 @@ def open_tokenizer_dir(cache_dir: Path) -> Any:
     except (OSError, ValueError):
         verdict = None
     if not (cache_dir / "tokenizer.json").is_file() or verdict is False:
-        return AutoTokenizer.from_pretrained(str(cache_dir))
+        return auto_tokenizer()
     settings = json.loads((cache_dir / "tokenizer_config.json").read_text())
     kw = {k: v for k, v in settings.items() if k not in _DIRECTORY_KEYS}
     template = cache_dir / "chat_template.jinja"
@@ -182,7 +188,7 @@ def open_tokenizer_dir(cache_dir: Path) -> Any:
         kw["chat_template"] = template.read_text()
     fast = PreTrainedTokenizerFast(tokenizer_file=str(cache_dir / "tokenizer.json"), **kw)
     if verdict is None:  # first open: compare with AutoTokenizer's once
-        ref = AutoTokenizer.from_pretrained(str(cache_dir))
+        ref = auto_tokenizer()
         same = same_tokenizer(fast, ref)
         try:
             atomic_write_text(mark, json.dumps({"same": same}))
@@ -195,10 +201,10 @@ def open_tokenizer_dir(cache_dir: Path) -> Any:
 def load_gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
     """The GGUF's tokenizer, built once by transformers and cached as a tokenizer directory (``open_tokenizer_dir``
     opens it on later loads)."""
-    from transformers import AutoTokenizer
-
     if (cache_dir / "tokenizer_config.json").is_file():
         return open_tokenizer_dir(cache_dir)
+    from transformers import AutoTokenizer
+
     with quiet_transformers():
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
