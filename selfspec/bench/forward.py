@@ -404,8 +404,9 @@ def format_tables(result: dict) -> str:
 def format_memory(mem: dict) -> str:
     """The resident memory after load, what it is made of and the bound it is checked against (MiB)."""
     gguf = f", GGUF file {mem['gguf_mb']:.0f} MB" if mem.get("gguf_mb") else ""
-    lines = [f"\nresident memory after load: {mem['rss_after_load_mb']:.0f} MB; weights read per step "
-             f"{mem['weights_mb']:.0f} MB{gguf}"]
+    lines = [f"\nresident memory after load: {mem['rss_after_load_mb']:.0f} MB (loaded with its head drafting, gamma=4: "
+             f"a default load whose calibration turns the head off holds less, ExitHead.unload); weights read per "
+             f"step {mem['weights_mb']:.0f} MB{gguf}"]
     if "packed_mb" in mem:  # results written before the breakdown have only the lines above
         ratio = f" = {mem['packed_mb'] / mem['gguf_mb']:.2f} x the GGUF" if mem.get("gguf_mb") else ""
         lines += [
