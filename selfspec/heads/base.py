@@ -99,11 +99,6 @@ def check_fingerprint(saved: dict[str, Any], split: SplitModel, where: str) -> N
         raise HeadMismatchError(f"exit head {where} does not match this model ({details})")
 
 
-def _load_before_forward(head: Any, args: Any) -> None:
-    """A forward pre-hook: an unloaded head's matrices first (``ExitHead.ensure_loaded``)."""
-    head.ensure_loaded()
-
-
 class ExitHead(nn.Module):
     """Base class. Subclasses set ``kind`` and implement ``forward``; stateful ones also
     ``new_state`` / ``rollback`` / ``seen``.
@@ -132,9 +127,9 @@ class ExitHead(nn.Module):
         self.recommended_draft: dict[str, Any] = {}
         self.source: str | None = None  # the directory the head was loaded from (its SpecEE predictors live there)
         self.released = False  # its float32 matrices dropped for inference (``release_float``): packed copies only
-        # every matrix dropped (``unload``: a calibration turned the head off); loaded again from ``source`` on use
+        # every matrix dropped (``unload``: a calibration turned the head off); loaded again from ``source`` by the
+        # first use of one (``linear``, a decoder layer's ``run_block``, ``prepare``: every road to its matrices)
         self.unloaded = False
-        self.register_forward_pre_hook(_load_before_forward)
 
     def linear(self, module: nn.Linear) -> Any:
         """``module`` through selfspec's decoding kernels (packed once per weight version, in ``draft_weights``
@@ -207,25 +202,20 @@ class ExitHead(nn.Module):
         return (sum(p.numel() for p in self.parameters())
                 + sum(m.in_features * m.out_features for m in self.float_matrices() if m.weight.numel() == 0))
 
-    def unload(self) -> int:
+    def unload(self) -> None:
         """Drop every matrix the head drafts with (float32 weights, packed copies, the drafted vocabulary's LM rows)
         when it will not draft: the calibration turned it off and its drafter proposes by lookup alone. Only a head
         loaded from its directory (``source``); run again (a cost benchmark, a new calibration, training), it first
-        loads them from there (``ensure_loaded``) as a loaded head drafts with them (``release_float``). The default model's bundled head: 9.4 MB
-        of the process after load (docs/QUANTIZED.md). -> bytes dropped (0: nothing, the head keeps its weights)."""
+        loads them from there (``ensure_loaded``) as a loaded head drafts with them (``release_float``). The default
+        model's bundled head: 9.4 MB of the process after load (docs/QUANTIZED.md)."""
         if self.source is None or self.unloaded:
-            return 0
-        packs = [p for _, _, p in self._packed.values()] + self._built_packs()
-        if self._trim_lm is not None:
-            packs.append(self._trim_lm)
-        freed = sum(w.nbytes for p in packs for w, _ in p.parts) + sum(m.weight.nbytes for m in self.float_matrices())
+            return
         for module in self.float_matrices():
             module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
         self._packed.clear()
         self._trim_lm = None
         self._drop_built()
         self.released, self.unloaded = False, True
-        return freed
 
     def ensure_loaded(self) -> None:
         """Bring back the matrices ``unload`` dropped, from the head's directory (a no-op otherwise)."""
@@ -233,22 +223,20 @@ class ExitHead(nn.Module):
             return
         from safetensors.torch import load_file  # noqa: PLC0415 (rarely needed)
 
+        from selfspec.heads.io import WEIGHTS_NAME  # noqa: PLC0415 (io imports this module)
+
         assert self.source is not None  # only a head from a directory unloads
         names = {id(m): n for n, m in self.named_modules()}
         with torch.inference_mode(False):  # (first run inside a draft or a timing's inference mode)
-            state = load_file(str(Path(self.source) / "head.safetensors"), device=str(self.split.device))
+            state = load_file(str(Path(self.source) / WEIGHTS_NAME), device=str(self.split.device))
             for module in self.float_matrices():
                 module.weight = nn.Parameter(state[f"{names[id(module)]}.weight"].to(self.split.dtype),
                                              requires_grad=False)
         self.unloaded = False
         self.release_float()  # packed as for drafting, float32 dropped where those suffice
 
-    def _built_packs(self) -> list[PackedLinear]:
-        """Packed linears a subclass built for drafting beyond ``linear``'s (a decoder layer's FastLayer)."""
-        return []
-
     def _drop_built(self) -> None:
-        """Forget what ``_built_packs`` lists (``unload``)."""
+        """Forget what a subclass built for drafting beyond ``linear``'s packed copies (``unload``)."""
 
     def lm_part(self, x_normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen LM head on normed states ``# [..., hidden]`` over the drafted vocabulary only: (logits

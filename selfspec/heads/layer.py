@@ -73,8 +73,8 @@ class DecoderLayerHead(CachedHead):
 
     def _fast_block(self) -> FastLayer | None:
         """The block as a FastLayer (packed weights, see ``draft_weights``) for inference on the fast backend;
-        rebuilt when the weights change (an optimizer step bumps their version)."""
-        self.ensure_loaded()
+        rebuilt when the weights change (an optimizer step bumps their version). Its callers (``prepare``,
+        ``run_block``) have brought an unloaded head's matrices back."""
         if self.released:
             assert self._fast is not None, "released after the block was packed"
             if torch.is_grad_enabled():
@@ -90,10 +90,6 @@ class DecoderLayerHead(CachedHead):
                 block = quantized_block(self.block, self.draft_weights)
             self._fast = (version, FastLayer(block, 0, self._window))
         return self._fast[1]
-
-    def _built_packs(self) -> list[Any]:
-        fast = self._fast[1] if self._fast is not None else None
-        return [] if fast is None else [fast.qkv, fast.o, fast.gate_up, fast.down]
 
     def _drop_built(self) -> None:
         self._fast = None
