@@ -33,6 +33,8 @@ from selfspec.models.split import SplitModel, TreeAttention
 from selfspec.quant.convert import quantize_weight
 from selfspec.quant.modules import QuantLinear
 
+CONFIG_NAME, WEIGHTS_NAME = "head_config.json", "head.safetensors"  # a trained head's directory (heads.io)
+
 _WEIGHTS_FOLLOW: ContextVar[bool] = ContextVar("selfspec_head_weights_follow", default=False)
 
 
@@ -84,10 +86,10 @@ def head_identity(head: Any) -> str:
         return f"{head.kind}@{head.exit_layer}"
     where = Path(head.source)
     out = str(head.source)
-    if (where / "head.safetensors").is_file():
-        out += f"#{(where / 'head.safetensors').stat().st_size}"
-    if (where / "head_config.json").is_file():
-        out += "#" + hashlib.sha256((where / "head_config.json").read_bytes()).hexdigest()[:12]
+    if (where / WEIGHTS_NAME).is_file():
+        out += f"#{(where / WEIGHTS_NAME).stat().st_size}"
+    if (where / CONFIG_NAME).is_file():
+        out += "#" + hashlib.sha256((where / CONFIG_NAME).read_bytes()).hexdigest()[:12]
     return out
 
 
@@ -222,8 +224,6 @@ class ExitHead(nn.Module):
         if not self.unloaded:
             return
         from safetensors.torch import load_file  # noqa: PLC0415 (rarely needed)
-
-        from selfspec.heads.io import WEIGHTS_NAME  # noqa: PLC0415 (io imports this module)
 
         assert self.source is not None  # only a head from a directory unloads
         names = {id(m): n for n, m in self.named_modules()}

@@ -13,7 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from selfspec.errors import ExitLayerError, HeadMismatchError, InvalidConfigError, ModelNotFoundError
-from selfspec.heads.base import ExitHead, LMExitHead, check_fingerprint, model_fingerprint, weights_follow
+from selfspec.heads.base import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    ExitHead,
+    LMExitHead,
+    check_fingerprint,
+    model_fingerprint,
+    weights_follow,
+)
 from selfspec.heads.deep import DeepContextHead
 from selfspec.heads.kangaroo import KangarooAdapter
 from selfspec.heads.layer import DecoderLayerHead
@@ -25,7 +33,6 @@ HEAD_KINDS: dict[str, type[ExitHead]] = {
     "kangaroo": KangarooAdapter, "linear": LinearHead, "layer": DecoderLayerHead, "deep": DeepContextHead,
     "nested": NestedDeepHead,
 }
-CONFIG_NAME, WEIGHTS_NAME = "head_config.json", "head.safetensors"
 
 
 # Heads that may draft from exit layer 0 (the token embeddings, no target layer at all): those that read the
