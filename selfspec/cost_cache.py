@@ -44,10 +44,10 @@ from selfspec.kernels.build import cpu_flags, kernel_source_hash
 from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
 
-COSTS_VERSION = 5  # bump when measure_draft_costs measures differently (context, block sizes, reps; 2: monotone;
+COSTS_VERSION = 6  # bump when measure_draft_costs measures differently (context, block sizes, reps; 2: monotone;
 # 3: blocks of 3 too: on AVX2 a block of 4 costs far more than one of 3, and interpolating put t(3) 40% high;
 # 4: a deep head's fuse drafts with Q8_0 weights on quantized targets; 5: deep blocks end in the greedy argmax,
-# split.greedy_ids, the LM head's int8 screen)
+# split.greedy_ids, the LM head's int8 screen; 6: the screen from 3 rows, not 5)
 CHECK_FACTOR = 1.5  # the load-time plain step may differ this much (either way) from the cached one
 CHECK_CONTEXT = 32  # cached tokens the check's plain step attends to
 CHECK_REPS = 8  # timed steps (the fastest counts) ...

@@ -273,7 +273,7 @@ class SplitModel:
         return self.head_logits(self.final_norm(h))
 
     def greedy_ids(self, h: torch.Tensor) -> torch.Tensor:  # [..., hidden] last-layer states -> [...] int64
-        """``logits(h).argmax(-1)``, bit for bit: for 5-8 rows of a quantized LM head, through the int8 screen
+        """``logits(h).argmax(-1)``, bit for bit: for 3-8 rows of a quantized LM head, through the int8 screen
         (``selfspec/quant/screen.py``: the exact kernel only on the blocks that can hold the maximum)."""
         x = self.final_norm(h)
         rows = x.numel() // x.shape[-1]

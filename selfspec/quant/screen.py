@@ -21,7 +21,8 @@ import torch
 from selfspec.kernels.build import built_extension
 from selfspec.quant.weight import LANES, QuantWeight
 
-SCREEN_MIN_ROWS = 5  # from here the screen beats the exact kernel on Qwen's LM head read from memory (docs/QUANTIZED.md)
+SCREEN_MIN_ROWS = 3  # from here the screen is never slower than the exact kernel, read from memory (docs/QUANTIZED.md:
+# Qwen's LM head at 3 / 4 rows 0.79 / 0.76 of the exact kernel's time when memory is fast, 1.00 / 0.93 when slow)
 SCREEN_MAX_ROWS = 8  # past 8 rows the int8 kernel takes two tiles and ties the exact one (qargmax takes up to 16)
 _CHUNK_BLOCKS = 512  # blocks of 16 rows dequantized at a time while the bound table is built (~30 MB)
 
