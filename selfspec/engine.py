@@ -116,7 +116,7 @@ class Engine:
         (the cache holds those before: ``reuse_prefix``); -> the first token."""
         drafter = self.drafter if speculative else None
         h_k, h = core.prefill(self.split, seq, prompt_ids, gen, None if drafter is None else drafter.depth_of(seq),
-                              first)
+                              first, None if drafter is None else drafter.context_layers)
         if drafter is not None:
             drafter.start(seq, h_k, h, first)
         return seq.pending
@@ -168,26 +168,29 @@ class Engine:
         been through, verify, commit. -> the emitted tokens."""
         block = self.propose(seq, gen, max_drafts, max_drafts if limit is None else limit)
         r = self.ride_of(seq, block)
-        h = self.split.run_layers(r.h, r.layer, self.split.num_layers, r.positions, r.cache, tree=r.tree)
-        return self.accept(seq, gen, block, h, stats)
+        h, ctx = core.through_layers(self.split, r, self.need_drafter().context_layers)
+        return self.accept(seq, gen, block, h, stats, context=ctx)
 
     def accept(self, seq: SequenceState, gen: GenerateConfig, block: DraftBlock, h: torch.Tensor,
-               stats: GenerationStats, target_logits: torch.Tensor | None = None) -> list[int]:
+               stats: GenerationStats, target_logits: torch.Tensor | None = None,
+               context: torch.Tensor | None = None) -> list[int]:
         """Verify ``block`` from its rows' last-layer states ``h`` ``# [1, rows, hidden]`` (``target_logits``
-        ``# [1, rows, vocab]`` when already computed: a batch) and commit the verdict."""
+        ``# [1, rows, vocab]`` when already computed: a batch) and commit the verdict; the drafter keeps
+        ``context`` (``round.through_layers``) when given, else ``h``."""
+        final = h if context is None else context
         if gen.greedy:  # only each row's argmax is needed (split.greedy_ids: the LM head's screen)
             ids = self.split.greedy_ids(h)[0] if target_logits is None else greedy(target_logits[0])  # [rows]
             if block.tree is not None:
                 keep, nxt = core.greedy_tree(block, ids)
-                return core.commit_path(seq, self.need_drafter(), block, keep, nxt, h, stats)
+                return core.commit_path(seq, self.need_drafter(), block, keep, nxt, final, stats)
             m, nxt = core.greedy_chain(block.tokens, ids.tolist())
-            return core.commit(seq, self.drafter, block, m, nxt, h, stats)
+            return core.commit(seq, self.drafter, block, m, nxt, final, stats)
         target_logits = self.split.logits(h) if target_logits is None else target_logits
         if block.tree is not None:
             keep, nxt = core.verify_tree(gen, block, target_logits[0], seq.generator)
-            return core.commit_path(seq, self.need_drafter(), block, keep, nxt, h, stats)
+            return core.commit_path(seq, self.need_drafter(), block, keep, nxt, final, stats)
         m, nxt = core.verify_chain(gen, block.tokens, block.probs, target_logits, seq.generator)
-        return core.commit(seq, self.drafter, block, m, nxt, h, stats)
+        return core.commit(seq, self.drafter, block, m, nxt, final, stats)
 
     # ---- the loop ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -13,6 +13,7 @@ from test_engine_equality import NEW, prompt_of
 from selfspec import SelfSpec
 from selfspec.batch.scheduler import BatchConfig, decode_batch
 from selfspec.config import GenerateConfig
+from selfspec.drafting.policies import make_policy
 from selfspec.errors import InvalidConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -106,6 +107,25 @@ def test_batched_speculative_greedy_equals_each_request_alone(arch):
         accepts = [a for st in stats for a in st.accept_lengths]
         if arch == "llama" and k:  # its head agrees often enough (on some tiny models this one never does)
             assert max(accepts) > 1 and min(accepts) == 1  # drafts accepted and rejected: ragged rounds
+
+
+def test_batched_drafts_with_context_layers_as_each_request_alone():
+    """A deep head with context layers (heads.deep): a batched round's rides keep the verified rows' states after
+    those layers too, so every request drafts exactly as alone (the same accepted lengths, round by round) and
+    its output is the target's own."""
+    from test_deep_head import deep_ss
+
+    ss, _ = deep_ss("llama", 0, gamma=3, lookup=4, seed=1, context_layers=[1, 3])
+    ss.engine.drafter.policy = make_policy("fixed", 0.1)
+    prompts = [prompt_of(n, n + 5) for n in LENGTHS] + [[5, 6, 7, 5, 6, 7, 5, 6]]
+    gens = [GenerateConfig(max_new_tokens=NEW, ignore_eos=True) for _ in prompts]
+    stats: list = []
+    with torch.inference_mode():
+        outs = decode_batch(ss.engine, prompts, gens, method="selfspec", stats=stats, batch=DRAFTING)
+    for p, out, st in zip(prompts, outs, stats):
+        alone = ss.generate(p, max_new_tokens=NEW, method="selfspec")
+        assert out == alone.token_ids == hf_greedy(ss.model, p, NEW)
+        assert st.accept_lengths == alone.stats.accept_lengths
 
 
 def test_batched_speculative_sampling_and_eos_per_request():

@@ -11,6 +11,7 @@ from test_engine_equality import NEW, prompt_of
 
 from selfspec import DraftConfig, SelfSpec
 from selfspec.drafting.policies import make_policy
+from selfspec.errors import ExitLayerError
 from selfspec.heads.io import new_head
 from selfspec.quant.convert import quantize_model
 
@@ -18,10 +19,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def deep_ss(arch: str, k: int, gamma: int | None = 3, lookup: int = 0, seed: int = 0,
-            quantize: str | None = None) -> tuple[SelfSpec, object]:
+            quantize: str | None = None, context_layers: list[int] | None = None,
+            head_layers: int = 1) -> tuple[SelfSpec, object]:
     model = tiny_model(arch) if quantize is None else quantize_model(tiny_model(arch), quantize)
     ss = SelfSpec(model, None)
-    head = new_head("deep", ss.split, k)
+    head = new_head("deep", ss.split, k, **({"context_layers": context_layers} if context_layers else {}),
+                    head_layers=head_layers)
     head.init_from_target()
     torch.manual_seed(seed)
     with torch.no_grad():  # a head that agrees sometimes, not always
@@ -34,15 +37,21 @@ def deep_ss(arch: str, k: int, gamma: int | None = 3, lookup: int = 0, seed: int
 
 
 @torch.inference_mode()
-def teacher_forced(split, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def teacher_forced(split, tokens: list[int], k: int, context_layers: tuple[int, ...] = (),
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The true exit states after ``k`` layers, the context a deep head reads (the previous position's final state,
-    zeros before the first) and the positions of ``tokens``, from one forward."""
+    then its states after each of ``context_layers``; zeros before the first) and the positions of ``tokens``, from
+    one forward (layer by layer: the run the engine's segments must equal)."""
     ids = torch.tensor([tokens])
     pos = torch.arange(ids.shape[1])[None]
     cache = split.new_cache(ids.shape[1])
-    h_k = split.run_layers(split.embed(ids), 0, k, pos, cache)
-    final = split.run_layers(h_k, k, split.num_layers, pos, cache)
-    return h_k, torch.cat([torch.zeros_like(final[:, :1]), final[:, :-1]], dim=1), pos
+    h, states = split.embed(ids), {}
+    for i in range(split.num_layers):
+        states[i] = h
+        h = split.run_layers(h, i, i + 1, pos, cache)
+    states[split.num_layers] = h
+    ctx = torch.cat([states[split.num_layers], *(states[c] for c in context_layers)], dim=-1)
+    return states[k], torch.cat([torch.zeros_like(ctx[:, :1]), ctx[:, :-1]], dim=1), pos
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -72,7 +81,7 @@ def test_deep_head_on_a_quantized_target_drafts_with_q4_and_is_lossless(arch):
         ss, head = deep_ss(arch, k, quantize="Q4_0")
         assert head.draft_weights == "Q4_0"
         head.prepare()
-        assert head._fast is not None and head._fast[1].qkv.path == "selfspec-quant"  # the block's packed weights
+        assert head._fast is not None and head._fast[1][0].qkv.path == "selfspec-quant"  # the block's packed weights
         ref = hf_greedy(ss.model, prompt, NEW)
         drafted = 0
         for policy, width in (("fixed", 0), ("confidence", 0), ("fixed", 2)):
@@ -84,11 +93,11 @@ def test_deep_head_on_a_quantized_target_drafts_with_q4_and_is_lossless(arch):
         assert drafted > 0, k
 
 
-@pytest.mark.parametrize("lookup", [0, 4])
-def test_deep_head_state_matches_a_fresh_forward(lookup):
-    """Each round's first draft (read from the verified prefix only) equals the head's teacher-forced
-    logits over the true exit and final states of that prefix."""
-    ss, head = deep_ss("llama", 2, lookup=lookup, seed=1)
+def first_drafts_match_a_fresh_forward(ss, head, k: int, prompts: list[list[int]], context_layers: tuple[int, ...] = (),
+                                       tol: float = 1e-4) -> int:
+    """Generate each prompt (output the target's own) while recording each round's first draft, which reads the
+    verified prefix only; it must equal the head's teacher-forced logits over the true exit states and context of
+    that prefix (one fresh forward, ``teacher_forced``). -> the drafts proposed."""
     drafter, split = ss.engine.drafter, ss.split
     seen: list[tuple[int, torch.Tensor]] = []
     inner = drafter._deep_features
@@ -100,15 +109,79 @@ def test_deep_head_state_matches_a_fresh_forward(lookup):
         return f_hat
 
     drafter._deep_features = spy
-    prompt = [5, 6, 7, 5, 6, 7, 5, 6] if lookup else prompt_of(7, 4)
-    out = ss.generate(prompt, max_new_tokens=NEW)
-    assert out.token_ids == hf_greedy(ss.model, prompt, NEW)
-    assert len(seen) >= 3
-    h_k, ctx, pos = teacher_forced(split, prompt + out.token_ids, 2)
+    drafted = 0
+    try:
+        for prompt in prompts:
+            seen.clear()
+            out = ss.generate(prompt, max_new_tokens=NEW)
+            assert out.token_ids == hf_greedy(ss.model, prompt, NEW)
+            assert len(seen) >= 3
+            drafted += sum(out.stats.proposed_per_position)
+            h_k, ctx, pos = teacher_forced(split, prompt + out.token_ids, k, context_layers)
+            with torch.inference_mode():
+                ref = head(h_k, pos, head.new_state(pos.shape[1]), context=ctx)[0]
+                if context_layers:  # the context layers' states change the drafts
+                    blind = head(h_k, pos, head.new_state(pos.shape[1]), context=ctx[..., : split.hidden_size])[0]
+                    assert not torch.allclose(ref, blind, atol=1e-3)
+            for p, logits in seen:
+                torch.testing.assert_close(logits, ref[p], atol=tol, rtol=tol)
+    finally:
+        del drafter._deep_features
+    return drafted
+
+
+LOOKUP_PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]
+
+
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_deep_head_state_matches_a_fresh_forward(lookup):
+    """Each round's first draft (read from the verified prefix only) equals the head's teacher-forced
+    logits over the true exit and final states of that prefix."""
+    ss, head = deep_ss("llama", 2, lookup=lookup, seed=1)
+    first_drafts_match_a_fresh_forward(ss, head, 2, [LOOKUP_PROMPT if lookup else prompt_of(7, 4)])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_context_layers_are_lossless_and_the_state_matches_a_fresh_forward(arch):
+    """A deep head with context layers (EAGLE-3's fused features): the prefill and every verification keep the
+    verified tokens' states after those layers beside the final ones, drafts read zeros there, so each round's
+    first draft equals the head's teacher-forced logits over the true [f, h_c1, h_c2] context; output stays the
+    target's own, chains with lookup and a tree alike. A context layer at or below the exit layer is refused."""
+    ss, head = deep_ss(arch, 0, lookup=4, seed=1, context_layers=[1, 3])
+    assert head.args() == {"context_layers": [1, 3]} and ss.engine.drafter.context_layers == [1, 3]
+    ss.engine.drafter.policy = make_policy("fixed", 0.1)
+    assert first_drafts_match_a_fresh_forward(ss, head, 0, [prompt_of(7, 4), LOOKUP_PROMPT], (1, 3)) > 0
+    ss.engine.tree_width = 2
+    prompt = prompt_of(9, 11)
+    assert ss.generate(prompt, max_new_tokens=NEW).token_ids == hf_greedy(ss.model, prompt, NEW)
+    with pytest.raises(ExitLayerError, match="context layers"):
+        new_head("deep", ss.split, 2, context_layers=[2])
+
+
+@pytest.mark.parametrize("quantize", [None, "Q4_0"])
+def test_a_head_of_two_layers_is_lossless_and_its_state_matches_a_fresh_forward(quantize):
+    """``head_layers=2``: a second decoder layer with its own cache layer, rolled back with the first. Fresh from
+    the target it is the identity (a one-layer head's logits exactly); perturbed, each round's first draft equals
+    the head's teacher-forced logits over the verified prefix, chains (with lookup) and a tree, float32 and Q4_0
+    drafting weights (the fast layers), and the output is the target's own."""
+    ss, head = deep_ss("llama", 0, lookup=4, seed=2, quantize=quantize, head_layers=2)
+    split = ss.split
+    assert head.args() == {"head_layers": 2} and len(head.blocks) == 2
+    one = new_head("deep", split, 0)
+    two = new_head("deep", split, 0, head_layers=2)
+    one.init_from_target()
+    two.init_from_target()
+    two.load_state_dict(one.state_dict(), strict=False)
+    x, c = torch.randn(1, 5, split.hidden_size), torch.randn(1, 5, split.hidden_size)
     with torch.inference_mode():
-        ref = head(h_k, pos, head.new_state(pos.shape[1]), context=ctx)[0]
-    for p, logits in seen:
-        torch.testing.assert_close(logits, ref[p], atol=1e-4, rtol=1e-4)
+        pos = torch.arange(5)[None]
+        torch.testing.assert_close(two(x, pos, two.new_state(8), context=c), one(x, pos, one.new_state(8), context=c))
+    ss.engine.drafter.policy = make_policy("fixed", 0.1)
+    tol = 2e-3 if quantize else 1e-4
+    assert first_drafts_match_a_fresh_forward(ss, head, 0, [prompt_of(7, 4), LOOKUP_PROMPT], tol=tol) > 0
+    ss.engine.tree_width = 2
+    prompt = prompt_of(9, 11)
+    assert ss.generate(prompt, max_new_tokens=NEW).token_ids == hf_greedy(ss.model, prompt, NEW)
 
 
 def test_head_linears_run_packed_and_follow_weight_updates():

@@ -156,6 +156,33 @@ def test_deep_head_at_exit_layer_0_drafts_from_the_embeddings_losslessly(sharegp
         ss.set_draft(DraftConfig(head="lm", exit_layer=0))
 
 
+def test_train_deep_with_context_layers_fine_tunes_a_head_and_decodes_losslessly(sharegpt_file, tmp_path):
+    """``--context-layers``: the head reads the previous token's stored states after those layers too. Fine-tuned
+    from a head without them, it starts exactly where that head was (their fuse columns start at zero), learns,
+    saves them in its config, and the engine keeps those states at every verification: lossless, drafts accepted.
+    Layers the features do not hold are named."""
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
+    feats = FeatureConfig(out=str(tmp_path / "f"), source=str(sharegpt_file), layers="1,3", max_tokens=96)
+    collect_features(ss.split, ss.tokenizer, feats)
+    base = DeepTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=0, out=str(tmp_path / "b"),
+                           epochs=3, batch_tokens=400, lr=5e-3, warmup=2, vocab_trim=40)
+    _, before = train_deep_head(ss.split, base)
+    cfg = replace(base, out=str(tmp_path / "c"), init=base.out, context_layers="1,3", epochs=4)
+    head, report = train_deep_head(ss.split, cfg)
+    assert abs(report["heldout_before"]["top1"] - before["heldout_after"]["top1"]) < 1e-6
+    assert report["heldout_after"]["ce"] < report["heldout_before"]["ce"]
+    assert float(head.fuse.weight[:, 2 * ss.split.hidden_size :].abs().sum()) > 0  # the new columns learned
+    loaded = load_head(cfg.out, ss.split)
+    assert loaded.context_layers == [1, 3]
+    ss.set_draft(DraftConfig(head=cfg.out, gamma=3, lookup=0, policy="fixed"))
+    assert ss.engine.drafter.context_layers == [1, 3]
+    prompt = ss.encode([{"role": "user", "content": conv(3)["conversations"][0]["value"]}])
+    out = ss.generate(prompt, max_new_tokens=30)
+    assert out.token_ids == hf_greedy(ss.model, prompt, 30) and sum(out.stats.accepted_per_position) > 0
+    with pytest.raises(InvalidConfigError, match=r"\['h2'\] are not stored"):
+        train_deep_head(ss.split, replace(cfg, out=str(tmp_path / "x"), context_layers="2"))
+
+
 def test_answer_prompts_are_the_targets_greedy_answers_and_resume(sharegpt_file, tmp_path):
     from selfspec.train.answers import AnswerConfig, answer_prompts
 

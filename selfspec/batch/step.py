@@ -46,8 +46,11 @@ def step(engine: Engine, entries: list[BatchEntry]) -> list[list[int]]:
     plan = _plan(engine, entries)
     chains = _draft_chains(engine, entries, plan)  # entry index -> its early-exit chain, drafted in lockstep
     rides, blocks = [], []
+    context = tuple(engine.drafter.context_layers) if engine.drafter is not None else ()
     for j, e in enumerate(entries):
         ride, block = _ride(engine, e, chains.get(j), plan.get(j))
+        if e.speculative and context:  # the drafter keeps those states of the verified rows (heads.deep)
+            ride.context = context
         rides.append(ride)
         blocks.append(block)
     hs = split.run_rides(rides)
@@ -59,7 +62,7 @@ def step(engine: Engine, entries: list[BatchEntry]) -> list[list[int]]:
         if e.prompt is not None:
             core.take_first(seq, e.prompt, lg[0, -1], e.gen)
             if e.speculative:
-                engine.need_drafter().start(seq, ride.h if ride.capture == 0 else ride.captured, h, e.first)
+                engine.need_drafter().start(seq, ride.h if ride.capture == 0 else ride.captured, ride.kept(h), e.first)
             engine.remember_prompt(seq, e.prompt, len(e.prompt) - e.first)
             out.append([seq.pending])
         elif not e.speculative:
@@ -69,7 +72,7 @@ def step(engine: Engine, entries: list[BatchEntry]) -> list[list[int]]:
                 block = DraftBlock([], None, None, start=seq.length, exit_layer=ride.capture)
             if block.exit_states is None and ride.capture is not None:
                 block.exit_states = ride.h if ride.capture == 0 else ride.captured
-            out.append(engine.accept(seq, e.gen, block, h, e.stats, lg))
+            out.append(engine.accept(seq, e.gen, block, h, e.stats, lg, context=ride.kept(h) if ride.context else None))
     return out
 
 

@@ -49,6 +49,11 @@ class Drafter(Protocol):
     def supports_tree(self) -> bool:
         """Whether ``propose_tree`` works (token trees, EAGLE-2 style); read-only, so a property may give it."""
 
+    @property
+    def context_layers(self) -> list[int]:
+        """Target layers whose states of the verified tokens the drafter keeps besides the last layer's (a deep
+        head's fused features, ``heads.deep``): verification and the prefill capture them ([]: none)."""
+
     def begin(self, seq: SequenceState, seed: int | None) -> None:
         """Before a request's prefill: its own per-request state (e.g. a seeded adaptive policy)."""
 
@@ -65,7 +70,8 @@ class Drafter(Protocol):
     def start(self, seq: SequenceState, prompt_exit_states: torch.Tensor | None,
               prompt_final_states: torch.Tensor | None = None, first: int = 0) -> None:
         """After the prompt's prefill, with its states after ``depth_of(seq)`` layers and after the last one
-        ``# [1, P - first, hidden]`` of positions ``first``.. (e.g. a stateful exit head catches up on the
+        ``# [1, P - first, hidden]`` (the latter followed by those after each of ``context_layers``, one
+        ``hidden`` each) of positions ``first``.. (e.g. a stateful exit head catches up on the
         prompt); ``first`` > 0 when the positions before came from the prefix cache (``selfspec.prefix_cache``)."""
 
     def prompt_rows_needed(self) -> int | None:
@@ -105,6 +111,10 @@ class BaseDrafter:
     @property
     def supports_tree(self) -> bool:
         return False
+
+    @property
+    def context_layers(self) -> list[int]:
+        return []
 
     def begin(self, seq: SequenceState, seed: int | None) -> None:
         return None

@@ -92,6 +92,11 @@ class EarlyExitDrafter(BaseDrafter):
         b = self.backlog(seq)
         return b if self.head_context is None else min(b, self.head_context)
 
+    @property
+    def context_layers(self) -> list[int]:
+        """The head's context layers (a deep head with fused features) when it drafts, else []."""
+        return list(getattr(self.head, "context_layers", [])) if self.head_drafts else []
+
     def depth_of(self, seq: SequenceState) -> int:
         """The exit depth of ``seq``'s next round (the head's own layer unless a depth policy chose another)."""
         return seq.depth or self.exit_layer
@@ -122,9 +127,10 @@ class EarlyExitDrafter(BaseDrafter):
             seq.head_backlog = self._project(prompt_exit_states, self.depth_of(seq))
         if self.head.needs_context:
             n = prompt_exit_states.shape[1]
-            # row j + 1 holds the final state at position j; row 0 (before the first token) is zeros
-            finals = prompt_exit_states.new_zeros(seq.cache.capacity + 1, self.split.hidden_size)
             assert prompt_final_states is not None, "a deep-context head starts from the prompt's final states"
+            # row j + 1 holds the final state at position j (and the context layers' states after it, when the
+            # verification keeps them: ``context_layers``); row 0 (before the first token) is zeros
+            finals = prompt_exit_states.new_zeros(seq.cache.capacity + 1, prompt_final_states.shape[-1])
             finals[first + 1 : first + n + 1] = prompt_final_states[0]
             seq.extras["finals"] = finals
 
@@ -144,7 +150,9 @@ class EarlyExitDrafter(BaseDrafter):
         end = start + 1 + states.shape[0]
         if end > finals.shape[0]:
             finals = seq.extras["finals"] = torch.cat([finals, finals.new_zeros(end, finals.shape[1])])
-        finals[start + 1 : end] = states
+        width = min(finals.shape[1], states.shape[1])  # a verdict without the context layers' states: zeros there
+        finals[start + 1 : end, :width] = states[:, :width]
+        finals[start + 1 : end, width:] = 0
 
     def _deep_features(self, seq: SequenceState, h: torch.Tensor, f_prev: torch.Tensor | None) -> torch.Tensor:
         """The predicted final state ``# [1, 1, hidden]`` at the position of exit state ``h`` (the head catches up
@@ -153,9 +161,10 @@ class EarlyExitDrafter(BaseDrafter):
         start, h = self._with_backlog(seq, self._project(h, self.depth_of(seq)))
         n = h.shape[1]
         ctx = seq.extras["finals"][start : start + n].unsqueeze(0)  # [1, n, hidden]: positions start - 1 ...
-        if f_prev is not None:
+        if f_prev is not None:  # a draft's context: f^ alone (the context layers' part reads zeros)
             ctx = ctx.clone()
-            ctx[:, -1] = f_prev[:, -1]
+            ctx[:, -1] = 0
+            ctx[:, -1, : f_prev.shape[-1]] = f_prev[:, -1]
         return self.head.features(h, ctx, seq.positions(start, n), seq.head_state)[:, -1:]
 
     def _deep_logits(self, seq: SequenceState, h: torch.Tensor, pos: int,

@@ -18,13 +18,25 @@ draft with no final state yet, read f^ in place of f:
 
 After verification the head's entries past position p are rolled back and the accepted tokens are fed
 again with their true final states. Verification is unchanged, so the output stays lossless.
+
+``context_layers`` (EAGLE-3's fused features, Li et al., 2025): the previous token's states after a few
+target layers besides the last, each RMS-normed, join the fuse's input,
+
+    x(p)  = Fuse([RMSNorm_h(h_k(p)), RMSNorm_f(f(p - 1)), RMSNorm_c1(h_c1(p - 1)), ...])
+
+and read as zeros at draft positions, whose previous token has no target states (training's pass 2 does the
+same). ``context`` is then ``# [batch, n, hidden * (1 + len(context_layers))]`` (f first); a context only
+``hidden`` wide (f or f^) reads zeros for the rest.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from selfspec.errors import ExitLayerError
 from selfspec.heads.kangaroo import RMSNorm
 from selfspec.heads.layer import DecoderLayerHead
 from selfspec.models.cache import KVCache
@@ -35,21 +47,33 @@ class DeepContextHead(DecoderLayerHead):
     kind = "deep"
     needs_context = True
 
-    def __init__(self, split: SplitModel, exit_layer: int) -> None:
-        super().__init__(split, exit_layer)
+    def __init__(self, split: SplitModel, exit_layer: int, context_layers: list[int] | None = None,
+                 head_layers: int = 1) -> None:
+        super().__init__(split, exit_layer, head_layers)
         hidden, eps = split.hidden_size, getattr(split.config, "rms_norm_eps", 1e-6)
+        self.context_layers = sorted(set(context_layers or []))
+        bad = [c for c in self.context_layers if not exit_layer < c < split.num_layers]
+        if bad:
+            raise ExitLayerError(f"context layers {bad} out of range: they lie past the exit layer {exit_layer} and "
+                                 f"below the last layer {split.num_layers} (verification captures them)")
         self.norm_h = RMSNorm(hidden, eps)
         self.norm_f = RMSNorm(hidden, eps)
-        self.fuse = nn.Linear(2 * hidden, hidden, bias=False)
+        self.norm_c = nn.ModuleList(RMSNorm(hidden, eps) for _ in self.context_layers)
+        self.fuse = nn.Linear((2 + len(self.context_layers)) * hidden, hidden, bias=False)
         self.to(device=split.device, dtype=split.dtype)
 
+    def args(self) -> dict[str, Any]:
+        return super().args() | ({"context_layers": list(self.context_layers)} if self.context_layers else {})
+
     def init_from_target(self) -> None:
-        """Both inputs start summed (Fuse = [I, I]); the block is the target's layer k."""
+        """Both inputs start summed (Fuse = [I, I, 0, ...]: context layers start unread); the block is the
+        target's layer k."""
         super().init_from_target()
         hidden = self.split.hidden_size
         eye = torch.eye(hidden, dtype=self.fuse.weight.dtype, device=self.fuse.weight.device)
         with torch.no_grad():
-            self.fuse.weight.copy_(torch.cat([eye, eye], dim=1))
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, : 2 * hidden].copy_(torch.cat([eye, eye], dim=1))
 
     def prepare(self) -> None:
         super().prepare()
@@ -67,7 +91,13 @@ class DeepContextHead(DecoderLayerHead):
         state: KVCache | None = None,
         tree: TreeAttention | None = None,  # the rows are token-tree nodes (drafting a tree)
     ) -> torch.Tensor:  # [batch, n, hidden] f^, the predicted final states
-        x = self.linear(self.fuse)(torch.cat([self.norm_h(h), self.norm_f(context.to(h.dtype))], dim=-1))
+        hidden = self.split.hidden_size
+        context = context.to(h.dtype)
+        parts = [self.norm_h(h), self.norm_f(context[..., :hidden])]
+        for i, norm in enumerate(self.norm_c):
+            parts.append(norm(context[..., hidden * (i + 1) : hidden * (i + 2)]) if context.shape[-1] > hidden
+                         else torch.zeros_like(h))
+        x = self.linear(self.fuse)(torch.cat(parts, dim=-1))
         return self.run_block(x, positions, state, tree)
 
     def project(self, h: torch.Tensor, depth: int) -> torch.Tensor:

@@ -17,12 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from selfspec.errors import InvalidConfigError
 from selfspec.heads.base import CachedHead, quantized_linear, weights_to_follow
 from selfspec.heads.kangaroo import RMSNorm
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Rotary
 from selfspec.models.split import SplitModel, TreeAttention, block_mask, causal_mask
 from selfspec.quant.modules import dequantized_copy
+
+OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "dense")  # a decoder layer's writes into the residual stream
 
 
 def quantized_block(block: nn.Module, type_name: str) -> nn.Module:
@@ -39,21 +42,52 @@ def quantized_block(block: nn.Module, type_name: str) -> nn.Module:
 class DecoderLayerHead(CachedHead):
     kind = "layer"
 
-    def __init__(self, split: SplitModel, exit_layer: int) -> None:
+    def __init__(self, split: SplitModel, exit_layer: int, head_layers: int = 1) -> None:
         super().__init__(split, exit_layer)
+        if head_layers < 1:
+            raise InvalidConfigError(f"head_layers must be at least 1, got {head_layers}")
+        self.head_layers = head_layers
         src = min(exit_layer, split.num_layers - 1)  # the target layer copied (k, or the last at k = L)
         # the architecture's decoder layer (submodules by name); its values only when no file's follow
         block: Any = dequantized_copy(split.layers[src], values=not weights_to_follow())
-        block.self_attn.layer_idx = 0  # its own one-layer cache
+        block.self_attn.layer_idx = 0  # its own cache
         self.block: nn.Module = block
+        # further decoder layers (a deeper head): copies of the target's next ones, each with its own cache layer
+        self.more = nn.ModuleList()
+        for i in range(1, head_layers):
+            extra: Any = dequantized_copy(split.layers[min(src + i, split.num_layers - 1)],
+                                          values=not weights_to_follow())
+            extra.self_attn.layer_idx = i
+            self.more.append(extra)
         self.norm_out = RMSNorm(split.hidden_size, getattr(split.config, "rms_norm_eps", 1e-6))
         self._kind, self._window = split.layer_types[src], split.windows[src]
-        self._fast: tuple[tuple[int, ...], FastLayer] | None = None
+        self._fast: tuple[tuple[int, ...], list[FastLayer]] | None = None
         self.to(device=split.device, dtype=split.dtype)
 
+    def args(self) -> dict[str, Any]:
+        return {"head_layers": self.head_layers} if self.head_layers > 1 else {}
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The head's decoder layers, in order (``block`` first)."""
+        return [self.block, *self.more]
+
+    def new_state(self, capacity: int) -> KVCache:
+        s = self.split
+        return KVCache(self.head_layers, s.num_kv_heads, s.head_dim, capacity, s.dtype, s.device)
+
     def init_from_target(self) -> None:
+        """The final norm is the target's; further layers start as the identity (their attention's and MLP's
+        output projections zero: the residual stream passes unchanged), so a head with more layers starts exactly
+        as the one-layer head it is fine-tuned from."""
         with torch.no_grad():
             self.norm_out.weight.copy_(self.split.norm.weight)
+            for extra in self.more:
+                for name, module in extra.named_modules():
+                    if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS:
+                        module.weight.zero_()
+                        if module.bias is not None:
+                            module.bias.zero_()
 
     @property
     def draft_weights(self) -> str:
@@ -71,8 +105,8 @@ class DecoderLayerHead(CachedHead):
         with torch.inference_mode():
             self._fast_block()
 
-    def _fast_block(self) -> FastLayer | None:
-        """The block as a FastLayer (packed weights, see ``draft_weights``) for inference on the fast backend;
+    def _fast_block(self) -> list[FastLayer] | None:
+        """The blocks as FastLayers (packed weights, see ``draft_weights``) for inference on the fast backend;
         rebuilt when the weights change (an optimizer step bumps their version). Its callers (``prepare``,
         ``run_block``) have brought an unloaded head's matrices back."""
         if self.released:
@@ -83,20 +117,22 @@ class DecoderLayerHead(CachedHead):
             return self._fast[1]
         if self.split.backend != "fast" or torch.is_grad_enabled():
             return None
-        version = tuple(p._version for p in self.block.parameters())
+        version = tuple(p._version for b in self.blocks for p in b.parameters())
         if self._fast is None or self._fast[0] != version:
-            block = self.block
-            if self.draft_weights != "float32":
-                block = quantized_block(self.block, self.draft_weights)
-            self._fast = (version, FastLayer(block, 0, self._window))
+            fast = []
+            for block in self.blocks:
+                if self.draft_weights != "float32":
+                    block = quantized_block(block, self.draft_weights)
+                fast.append(FastLayer(block, 0, self._window))
+            self._fast = (version, fast)
         return self._fast[1]
 
     def _drop_built(self) -> None:
         self._fast = None
 
     def float_matrices(self) -> list[nn.Linear]:
-        """The block's linear layers (packed as ``draft_weights`` in its FastLayer)."""
-        return [m for m in self.block.modules() if isinstance(m, nn.Linear)]
+        """The blocks' linear layers (packed as ``draft_weights`` in their FastLayers)."""
+        return [m for b in self.blocks for m in b.modules() if isinstance(m, nn.Linear)]
 
     def run_block(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None,
                   tree: TreeAttention | None = None) -> torch.Tensor:
@@ -110,13 +146,16 @@ class DecoderLayerHead(CachedHead):
             mask = block_mask(n, state.lengths[0] + n, self._window, h.device, tree)
             fast = self._fast_block()
             if fast is not None:
-                start = state.reserve(0, n)
-                return fast.forward(h.clone(), Rotary(*rot), mask, state.keys[0], state.values[0], start,
-                                    causal=tree is None)
+                h = h.clone()
+                for i, layer in enumerate(fast):
+                    start = state.reserve(i, n)
+                    h = layer.forward(h, Rotary(*rot), mask, state.keys[i], state.values[i], start, causal=tree is None)
+                return h
         else:  # training over whole sequences: a plain causal mask (None lets SDPA use is_causal)
             mask = None if n == 1 else causal_mask(n, n, None, h.device)
-        return self.block(h, attention_mask=mask, position_ids=positions, past_key_values=state,
-                          position_embeddings=rot)
+        for block in self.blocks:
+            h = block(h, attention_mask=mask, position_ids=positions, past_key_values=state, position_embeddings=rot)
+        return h
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, state: KVCache | None = None) -> torch.Tensor:
         return self.lm_logits(self.norm_out(self.run_block(h, positions, state)))

@@ -20,7 +20,7 @@ layers already hold tokens the deep layers have not seen yet.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -67,6 +67,12 @@ class Ride:
     tree: TreeAttention | None = None  # the rows are nodes of a token tree
     capture: int | None = None  # also keep the states after this many layers ...
     captured: torch.Tensor | None = None  # ... here, # [1, n, hidden]
+    context: tuple[int, ...] = ()  # and after each of these (a deep head's context layers, past ``layer``) ...
+    contexts: list[torch.Tensor] = field(default_factory=list)  # ... here, in order, each # [1, n, hidden]
+
+    def kept(self, h: torch.Tensor) -> torch.Tensor:
+        """The last-layer states ``h`` ``# [1, n, hidden]`` followed by the context layers' (``round.through_layers``)."""
+        return torch.cat([h, *self.contexts], dim=-1) if self.context else h
 
 
 class SplitModel:
@@ -233,8 +239,12 @@ class SplitModel:
         a draft block's exit states at its exit depth) ride to the last layer together: the layers are run
         in stages cut at every entry layer, and from its entry on each ride joins the stage's ragged batch
         (``run_layers_batch``), so every weight of a stage is read once for all rows in it. A ride with
-        ``capture`` also keeps its states after that layer (a speculative prefill's exit states)."""
-        cuts = sorted({r.layer for r in rides} | {r.capture for r in rides if r.capture is not None} | {self.num_layers})
+        ``capture`` also keeps its states after that layer (a speculative prefill's exit states), one with
+        ``context`` after each of those layers."""
+        cuts = sorted({r.layer for r in rides} | {r.capture for r in rides if r.capture is not None}
+                      | {c for r in rides for c in r.context} | {self.num_layers})
+        for r in rides:
+            r.contexts = []
         cur = [r.h for r in rides]
         for r in rides:  # captured where it enters (exit layer 0: the embeddings)
             if r.capture is not None and r.capture == r.layer:
@@ -247,6 +257,8 @@ class SplitModel:
                 cur[j] = h
                 if rides[j].capture == hi:
                     rides[j].captured = h
+                if hi in rides[j].context:
+                    rides[j].contexts.append(h)
         return cur
 
     def lm_rows(self, ids: torch.Tensor) -> torch.Tensor:  # ids [R] -> [R, hidden] float32 rows of the LM head

@@ -62,6 +62,10 @@ class DeepTrainConfig:
     seed: int = opt(0, "Seed of the batch order and the head's initialization.")
     init: str = opt("", "Start from this trained deep head's weights (fine-tuning) instead of the target's layer k; "
                     "it may come from another exit layer (the weights fit; its input changes).")
+    head_layers: int = opt(1, "Decoder layers in the head (more than 1: the extra ones start as the identity, so "
+                           "--init from a one-layer head starts where it was).")
+    context_layers: str = opt("", "Target layers whose states of the previous token the head reads besides the final one "
+                              "(EAGLE-3's fused features; comma-separated, each stored in the features; '': none).")
     checkpoint_every: int = opt(100, "Write a checkpoint every this many steps.")
     resume: bool = opt(True, "Continue from <out>.checkpoint.pt when it exists.")
 
@@ -84,24 +88,27 @@ def _batches(fs: FeatureSet, batch_tokens: int, seed: int, epoch: int) -> list[l
 
 
 def _collate(fs: FeatureSet, idx: list[int], k: int, label_map: torch.Tensor | None,
-             assistant_only: bool) -> dict[str, torch.Tensor]:
-    """Right-padded batch: h [B, T, H], ctx [B, T, H] (f of the previous token), final [B, T, H],
-    labels [B, T] (trimmed-vocab index, -100 = not trained)."""
+             assistant_only: bool, context_layers: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded batch: h [B, T, H], ctx [B, T, H * (1 + C)] (f of the previous token, then its states after
+    each of the C ``context_layers``), final [B, T, H], labels [B, T] (trimmed-vocab index, -100 = not trained)."""
     seqs = [fs.sequence(i) for i in idx]
     T, H, B = max(len(s["label"]) for s in seqs), fs.tensors["final"].shape[1], len(seqs)
-    h, final = torch.zeros(B, T, H), torch.zeros(B, T, H)
+    keys = ["final", *(f"h{c}" for c in context_layers or [])]
+    h, states = torch.zeros(B, T, H), torch.zeros(B, T, H * len(keys))
     labels = torch.full((B, T), -100, dtype=torch.long)
     for b, s in enumerate(seqs):
         n = len(s["label"])
-        h[b, :n], final[b, :n] = s[f"h{k}"].float(), s["final"].float()
+        h[b, :n] = s[f"h{k}"].float()
+        for j, key in enumerate(keys):
+            states[b, :n, H * j : H * (j + 1)] = s[key].float()
         lab = s["label"].long()
         if label_map is not None:
             lab = label_map[lab]
         if assistant_only:
             lab = torch.where(s["assistant"], lab, torch.full_like(lab, -100))
         labels[b, :n] = lab
-    ctx = torch.cat([torch.zeros_like(final[:, :1]), final[:, :-1]], dim=1)
-    return {"h": h, "ctx": ctx, "final": final, "labels": labels}
+    ctx = torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], dim=1)
+    return {"h": h, "ctx": ctx, "final": states[..., :H], "labels": labels}
 
 
 class DeepFeatures(Protocol):
@@ -133,7 +140,7 @@ def deep_loss(head: DeepFeatures, lm_rows: torch.Tensor, batch: dict[str, torch.
     loss, m = ce1 + cfg.reg_weight * reg, {}
     m["top1"] = float((logits1.argmax(-1) == labels[valid]).float().mean())
     if cfg.unroll_weight > 0:
-        ctx2 = torch.cat([ctx[:, :1], f1[:, :-1]], dim=1)
+        ctx2 = torch.cat([ctx[:, :1, : f1.shape[-1]], f1[:, :-1]], dim=1)  # draft positions: f^ only
         logits2 = head.norm_out(head.features(h, ctx2, pos))[valid] @ lm_rows.T
         ce2 = F.cross_entropy(logits2, labels[valid])
         loss = loss + cfg.unroll_weight * ce2
@@ -153,7 +160,7 @@ def evaluate_deep(head: DeepFeatures, lm_rows: torch.Tensor, fs: FeatureSet, cfg
     tot: dict[str, float] = {}
     n = 0
     for idx in _batches(fs, cfg.batch_tokens, 0, 0):
-        batch = _collate(fs, idx, cfg.exit_layer, None, cfg.assistant_only)
+        batch = _collate(fs, idx, cfg.exit_layer, None, cfg.assistant_only, _context_layers(cfg))
         full = batch["labels"]
         valid = full >= 0
         if label_map is not None:
@@ -172,6 +179,13 @@ def evaluate_deep(head: DeepFeatures, lm_rows: torch.Tensor, fs: FeatureSet, cfg
             out[key] *= share
     head.train()
     return out | {"tokens": n, "label_in_vocab": share}
+
+
+def _context_layers(cfg: DeepTrainConfig) -> list[int]:
+    try:
+        return sorted({int(x) for x in cfg.context_layers.split(",") if x.strip()})
+    except ValueError as e:
+        raise InvalidConfigError(f"context layers must be comma-separated integers, got '{cfg.context_layers}'") from e
 
 
 def resume(head: torch.nn.Module, ckpt: Path, cfg: DeepTrainConfig) -> tuple[int, list[dict[str, Any]]]:
@@ -250,24 +264,34 @@ def vocab_label_map(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContextHead, dict[str, Any]]:
-    key = f"h{cfg.exit_layer}"
-    train = load_exit_features(cfg.features, cfg.exit_layer, split, cfg.max_tokens)
-    if key not in train.tensors:
-        stored = sorted(k for k in train.tensors if k.startswith("h"))
-        raise InvalidConfigError(f"exit layer {cfg.exit_layer} is not stored in {cfg.features} (stored: {stored})")
-    held_sets = {d.strip(): load_exit_features(d.strip(), cfg.exit_layer, split)
+    key, context_layers = f"h{cfg.exit_layer}", _context_layers(cfg)
+    extra = [f"h{c}" for c in context_layers]
+    train = load_exit_features(cfg.features, cfg.exit_layer, split, cfg.max_tokens, extra)
+    held_sets = {d.strip(): load_exit_features(d.strip(), cfg.exit_layer, split, 0, extra)
                  for d in cfg.heldout_features.split(",") if d.strip()}
+    for where, fs in [(cfg.features, train), *held_sets.items()]:
+        missing = [k for k in [key, *extra] if k not in fs.tensors]
+        if missing:
+            stored = sorted(k for k in fs.tensors if k.startswith("h"))
+            raise InvalidConfigError(f"states {missing} are not stored in {where} (stored: {stored}): collect them "
+                                     "with collect-features --layers")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    head = new_head("deep", split, cfg.exit_layer)
+    head = new_head("deep", split, cfg.exit_layer, **({"context_layers": context_layers} if context_layers else {}),
+                    **({"head_layers": cfg.head_layers} if cfg.head_layers > 1 else {}))
     assert isinstance(head, DeepContextHead)
     head.init_from_target()
     if cfg.init:
         start = load_head(cfg.init, split)  # its own exit layer: the weights fit a head at any layer
         if start.kind != "deep":
             raise InvalidConfigError(f"--init '{cfg.init}' is a '{start.kind}' head, not a deep one")
-        head.load_state_dict({k: v for k, v in start.state_dict().items() if k != "vocab_ids"}, strict=False)
+        weights = {k: v for k, v in start.state_dict().items() if k != "vocab_ids"}
+        fuse = weights.pop("fuse.weight")  # its first columns (h_k, f); context layers it lacks start unread
+        head.load_state_dict(weights, strict=False)
+        with torch.no_grad():
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, : fuse.shape[1]].copy_(fuse[:, : head.fuse.weight.shape[1]])
     head.float().train().requires_grad_(True)
     vocab_ids, label_map = None, None
     if cfg.vocab_trim > 0:
@@ -281,7 +305,8 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
               if step == 0 else {})
 
     def step_loss(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
-        return deep_loss(head, lm_rows, _collate(train, idx, cfg.exit_layer, label_map, cfg.assistant_only), cfg)
+        batch = _collate(train, idx, cfg.exit_layer, label_map, cfg.assistant_only, context_layers)
+        return deep_loss(head, lm_rows, batch, cfg)
 
     step, history, t0, total = train_steps(head, train, cfg, ckpt, step, history, step_loss,
                                            f"train deep head @ layer {cfg.exit_layer}")

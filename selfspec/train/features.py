@@ -200,12 +200,13 @@ def load_features(path: str | Path, keys: list[str] | None = None, max_tokens: i
     return FeatureSet({k: torch.cat(v) for k, v in cols.items()}, torch.cat(offsets))
 
 
-def load_exit_features(path: str | Path, exit_layer: int, split: Any, max_tokens: int = 0) -> FeatureSet:
-    """``load_features`` for a head at ``exit_layer``: its exit states and the final states. Exit layer 0 reads
-    the token embeddings, which no shard needs to store: they are looked up from the stored ids (float16, as
-    stored states are)."""
+def load_exit_features(path: str | Path, exit_layer: int, split: Any, max_tokens: int = 0,
+                       extra: list[str] | None = None) -> FeatureSet:
+    """``load_features`` for a head at ``exit_layer``: its exit states and the final states (and the ``extra``
+    state keys). Exit layer 0 reads the token embeddings, which no shard needs to store: they are looked up from
+    the stored ids (float16, as stored states are)."""
     key = f"h{exit_layer}"
-    fs = load_features(path, [key, "final"], max_tokens)
+    fs = load_features(path, [key, "final", *(extra or [])], max_tokens)
     if key not in fs.tensors and exit_layer == 0:
         ids = fs.tensors["ids"].long()
         with torch.no_grad():
