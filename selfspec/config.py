@@ -13,6 +13,8 @@ import argparse
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from selfspec.errors import InvalidConfigError
+
 
 def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - "help" is the natural name
     """A dataclass field with its documentation attached (read by the CLI builder)."""
@@ -264,6 +266,15 @@ class PipelineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def int_set(text: str, what: str) -> list[int]:
+    """A comma-separated list of integers, e.g. a settings field's "3,12" -> [3, 12] (sorted, distinct); ``what``
+    names the field in the error."""
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError as e:
+        raise InvalidConfigError(f"{what} must be comma-separated integers, got '{text}'") from e
 
 
 def field_help(cls: type) -> dict[str, str]:

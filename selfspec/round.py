@@ -58,13 +58,9 @@ def through_layers(split: SplitModel, ride: Ride, context_layers: list[int] | No
     ``# [1, n, hidden * (1 + C)]``: what a deep head with fused features keeps of verified tokens; else None)."""
     if not context_layers:
         return split.run_layers(ride.h, ride.layer, split.num_layers, ride.positions, ride.cache, tree=ride.tree), None
-    h, done, kept = ride.h, ride.layer, []
-    for c in context_layers:
-        h = split.run_layers(h, done, c, ride.positions, ride.cache, tree=ride.tree)
-        kept.append(h)
-        done = c
-    h = split.run_layers(h, done, split.num_layers, ride.positions, ride.cache, tree=ride.tree)
-    return h, torch.cat([h, *kept], dim=-1)
+    ride.context = tuple(context_layers)  # run_rides cuts its stages there and keeps the states (a batch's way too)
+    h = split.run_rides([ride])[0]
+    return h, ride.kept(h)
 
 
 def take_first(seq: SequenceState, prompt_ids: list[int], logits: torch.Tensor, gen: GenerateConfig) -> int:

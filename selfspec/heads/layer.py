@@ -46,7 +46,6 @@ class DecoderLayerHead(CachedHead):
         super().__init__(split, exit_layer)
         if head_layers < 1:
             raise InvalidConfigError(f"head_layers must be at least 1, got {head_layers}")
-        self.head_layers = head_layers
         src = min(exit_layer, split.num_layers - 1)  # the target layer copied (k, or the last at k = L)
         # the architecture's decoder layer (submodules by name); its values only when no file's follow
         block: Any = dequantized_copy(split.layers[src], values=not weights_to_follow())
@@ -66,6 +65,11 @@ class DecoderLayerHead(CachedHead):
 
     def args(self) -> dict[str, Any]:
         return {"head_layers": self.head_layers} if self.head_layers > 1 else {}
+
+    @property
+    def head_layers(self) -> int:
+        """How many decoder layers the head has."""
+        return 1 + len(self.more)
 
     @property
     def blocks(self) -> list[nn.Module]:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import ModelConfig, add_config_args, config_from_args, int_set, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.deep import DeepContextHead
 from selfspec.heads.io import load_head, new_head, save_head
@@ -159,8 +159,9 @@ def evaluate_deep(head: DeepFeatures, lm_rows: torch.Tensor, fs: FeatureSet, cfg
     head.eval()
     tot: dict[str, float] = {}
     n = 0
+    context_layers = _context_layers(cfg)
     for idx in _batches(fs, cfg.batch_tokens, 0, 0):
-        batch = _collate(fs, idx, cfg.exit_layer, None, cfg.assistant_only, _context_layers(cfg))
+        batch = _collate(fs, idx, cfg.exit_layer, None, cfg.assistant_only, context_layers)
         full = batch["labels"]
         valid = full >= 0
         if label_map is not None:
@@ -182,10 +183,7 @@ def evaluate_deep(head: DeepFeatures, lm_rows: torch.Tensor, fs: FeatureSet, cfg
 
 
 def _context_layers(cfg: DeepTrainConfig) -> list[int]:
-    try:
-        return sorted({int(x) for x in cfg.context_layers.split(",") if x.strip()})
-    except ValueError as e:
-        raise InvalidConfigError(f"context layers must be comma-separated integers, got '{cfg.context_layers}'") from e
+    return int_set(cfg.context_layers, "context layers")
 
 
 def resume(head: torch.nn.Module, ckpt: Path, cfg: DeepTrainConfig) -> tuple[int, list[dict[str, Any]]]:
@@ -278,8 +276,7 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    head = new_head("deep", split, cfg.exit_layer, **({"context_layers": context_layers} if context_layers else {}),
-                    **({"head_layers": cfg.head_layers} if cfg.head_layers > 1 else {}))
+    head = new_head("deep", split, cfg.exit_layer, context_layers=context_layers, head_layers=cfg.head_layers)
     assert isinstance(head, DeepContextHead)
     head.init_from_target()
     if cfg.init:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import ModelConfig, add_config_args, config_from_args, int_set, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.progress import progress
 from selfspec.train.cli import load_target
@@ -51,10 +51,7 @@ class FeatureConfig(ConversationSource):
 
 
 def parse_layers(text: str, num_layers: int) -> list[int]:
-    try:
-        layers = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError as e:
-        raise InvalidConfigError(f"layers must be comma-separated integers, got '{text}'") from e
+    layers = int_set(text, "layers")
     bad = [k for k in layers if not 0 <= k < num_layers]
     if bad:
         raise InvalidConfigError(f"exit layers {bad} out of range: this model has layers 0..{num_layers - 1}")

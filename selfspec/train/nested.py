@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import ModelConfig, add_config_args, config_from_args, int_set, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import load_head, new_head
 from selfspec.heads.nested import NestedDeepHead
@@ -68,10 +68,7 @@ class DepthView:
 
 
 def parse_depths(text: str) -> list[int]:
-    try:
-        return sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError as e:
-        raise InvalidConfigError(f"depths must be comma-separated integers, got '{text}'") from e
+    return int_set(text, "depths")
 
 
 def nested_loss(head: NestedDeepHead, lm_rows: torch.Tensor, batches: dict[int, dict[str, torch.Tensor]],

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from selfspec.api import SelfSpec
-from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, int_set, opt
 from selfspec.costs import best_gamma, measure_draft_costs, time_head
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.deep import DeepContextHead
@@ -78,10 +78,7 @@ class RecipeConfig:
                     "from the target's layer k: more data for a head that exists.")
 
     def sizes(self) -> list[int]:
-        try:
-            sizes = sorted({int(x) for x in self.vocab_sizes.split(",") if x.strip()})
-        except ValueError as e:
-            raise InvalidConfigError(f"vocab_sizes must be comma-separated integers, got '{self.vocab_sizes}'") from e
+        sizes = int_set(self.vocab_sizes, "vocab_sizes")
         if not sizes or sizes[0] < 1:
             raise InvalidConfigError(f"vocab_sizes must be positive, got '{self.vocab_sizes}'")
         return sizes
