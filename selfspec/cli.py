@@ -34,6 +34,7 @@ from selfspec.train.features import add_parser as add_collect_features
 from selfspec.train.nested import add_parser as add_train_nested
 from selfspec.train.predictors import add_parser as add_train_predictors
 from selfspec.train.recipe import add_parser as add_train_recipe
+from selfspec.train.store import add_parser as add_build_store
 from selfspec.train.sweep import add_parser as add_sweep_exit
 from selfspec.tuning import cache_path, format_tuning
 
@@ -132,6 +133,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     add_train_and_eval_draft,  # train, eval-draft (selfspec/train/cli.py)
     add_sweep_exit,  # sweep-exit (selfspec/train/sweep.py)
     add_answer_prompts,  # answer-prompts (selfspec/train/answers.py)
+    add_build_store,  # build-store: a token store for lookup drafts (selfspec/train/store.py)
     add_collect_features,  # collect-features (selfspec/train/features.py)
     add_train_deep,  # train-deep (selfspec/train/deep.py)
     add_train_recipe,  # train-recipe: data to bundled-ready head in one command (selfspec/train/recipe.py)

@@ -137,6 +137,13 @@ class DraftConfig:
         "reaches furthest back, and size its block by the acceptance seen after matches of that length "
         "(docs/ADAPTIVE.md). False: the latest occurrence, one learned length for every match.",
     )
+    store: str = opt(
+        "none",
+        "A token store (.npy from `selfspec build-store`): lookup drafts from text the target wrote before (its "
+        "greedy answers to other prompts; REST, SuffixDecoding) where the request's own text has no match. "
+        "'none': off (the default: level with it on Spec-Bench, docs/ADAPTIVE.md). Drafts only: the output does "
+        "not change.",
+    )
     head_context: int | None = opt(
         32,
         "A stateful head (kangaroo, layer, deep) runs its own layer over every row it has not seen before it drafts: "

@@ -27,7 +27,7 @@ from selfspec.drafting.base import DraftBlock, Drafter
 from selfspec.models.split import Ride, SplitModel
 from selfspec.sampling import greedy, logits_to_probs, pick
 from selfspec.state import SequenceState
-from selfspec.stats import GenerationStats
+from selfspec.stats import LOOKUP_SOURCES, GenerationStats
 from selfspec.verify import greedy_tree_verify, speculative_verify, tree_sample_verify
 
 
@@ -148,7 +148,7 @@ def commit(seq: SequenceState, drafter: Drafter | None, block: DraftBlock, m: in
     g = len(block.tokens) if proposed is None else proposed
     if stats is not None:
         stats.record_step(g, m, block.source)
-        if g and block.source != "lookup" and block.exit_layer is not None:
+        if g and block.source not in LOOKUP_SOURCES and block.exit_layer is not None:
             stats.draft_depths[block.exit_layer] = stats.draft_depths.get(block.exit_layer, 0) + 1
     out = block.tokens[:m] + [nxt]
     seq.tokens.extend(out)

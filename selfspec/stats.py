@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+LOOKUP_SOURCES = ("lookup", "store")  # draft sources that copy earlier text (the request's own, or a token store's)
+
 
 @dataclass
 class GenerationStats:
@@ -17,6 +19,9 @@ class GenerationStats:
     lookup_steps: int = 0  # steps whose drafts came from an n-gram match (lookup), not the early exit
     lookup_proposed: int = 0  # lookup drafts proposed (not in the per-position lists, which are the early exit's)
     lookup_accepted: int = 0  # lookup drafts accepted
+    store_steps: int = 0  # of the lookup steps, those whose drafts came from the token store (selfspec.drafting.store)
+    store_proposed: int = 0  # ... their drafts proposed
+    store_accepted: int = 0  # ... and accepted
     exit_layers: list[int] = field(default_factory=list)  # SpecEE: layer each token (draft) exited at (L: none)
     predictor_checks: int = 0  # SpecEE: predictor evaluations
     predictor_time: float = 0.0  # SpecEE: seconds in candidate features + predictors
@@ -45,10 +50,14 @@ class GenerationStats:
 
     def record_step(self, proposed: int, accepted: int, source: str = "early_exit") -> None:
         self.steps += 1
-        if source == "lookup":
+        if source in LOOKUP_SOURCES:
             self.lookup_steps += 1
             self.lookup_proposed += proposed
             self.lookup_accepted += accepted
+            if source == "store":
+                self.store_steps += 1
+                self.store_proposed += proposed
+                self.store_accepted += accepted
             self.accept_lengths.append(accepted + 1)
             return
         self.accept_lengths.append(accepted + 1)
@@ -69,6 +78,9 @@ class GenerationStats:
         self.lookup_steps += other.lookup_steps
         self.lookup_proposed += other.lookup_proposed
         self.lookup_accepted += other.lookup_accepted
+        self.store_steps += other.store_steps
+        self.store_proposed += other.store_proposed
+        self.store_accepted += other.store_accepted
         self.accept_lengths += other.accept_lengths
         self.exit_layers += other.exit_layers
         self.predictor_checks += other.predictor_checks
@@ -102,6 +114,8 @@ class GenerationStats:
             + (f", acceptance per position [{rates}]" if rates else "")
             + (f", lookup: {self.lookup_steps} steps, {self.lookup_accepted}/{self.lookup_proposed} drafts accepted"
                if self.lookup_steps else "")
+            + (f" (token store: {self.store_steps} steps, {self.store_accepted}/{self.store_proposed})"
+               if self.store_steps else "")
             + (f", {self.cached_tokens} of {self.prompt_tokens} prompt tokens from the prefix cache"
                if self.cached_tokens else "")
             + (f", mean exit layer {self.mean_exit_layer:.1f}, predictors {self.predictor_checks} checks "

@@ -107,7 +107,8 @@ def _ride(engine: Engine, e: BatchEntry, chain: DraftBlock | None,
     k = drafter.next_depth(seq)
     ids = torch.tensor([[seq.pending, *looked]], dtype=torch.long, device=split.device)
     ride = Ride(0, split.embed(ids), seq.positions(seq.length, len(looked) + 1), seq.cache, capture=k)
-    looked_block = DraftBlock(looked, None, None, start=seq.length, source="lookup", exit_layer=k) if looked else None
+    looked_block = (DraftBlock(looked, None, None, start=seq.length, source=drafter.lookup_source(seq), exit_layer=k)
+                    if looked else None)
     return ride, looked_block
 
 

@@ -330,7 +330,9 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int, 
                   "predictor_time": st.predictor_time, "exit_agreed": st.exit_agreed, "exit_compared": st.exit_compared}
     rounds = None
     if method.kind != "plain":
-        rounds = {"lookup": st.lookup_steps, "depths": {str(d): n for d, n in sorted(st.draft_depths.items())}}
+        rounds = {"lookup": st.lookup_steps, "store": st.store_steps, "store_proposed": st.store_proposed,
+                  "store_accepted": st.store_accepted,
+                  "depths": {str(d): n for d, n in sorted(st.draft_depths.items())}}
     return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids), specee, rounds,
                       prefill_time=st.prefill_time, cached_tokens=st.cached_tokens)
 

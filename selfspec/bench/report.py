@@ -155,8 +155,9 @@ def same_tokens(a: dict, b: dict) -> bool:
 
 
 def round_mix(recs: list[dict], steps: int) -> dict[str, Any] | None:
-    """Where a method's verification steps came from: shares of lookup blocks, early-exit drafts (and
-    their exit depths, e.g. the depth bandit's picks) and plain steps (no draft); None without records."""
+    """Where a method's verification steps came from: shares of lookup blocks (of them, the token store's, with
+    its drafts' acceptance), early-exit drafts (and their exit depths, e.g. the depth bandit's picks) and plain
+    steps (no draft); None without records."""
     turns = [t for r in recs for t in (_choice(r).get("rounds") or []) if t is not None]
     if not turns or not steps:
         return None
@@ -166,7 +167,10 @@ def round_mix(recs: list[dict], steps: int) -> dict[str, Any] | None:
         for d, n in t["depths"].items():
             depths[d] = depths.get(d, 0) + n
     head = sum(depths.values())
+    store, proposed = sum(t.get("store", 0) for t in turns), sum(t.get("store_proposed", 0) for t in turns)
     return {"lookup": lookup / steps, "head": head / steps, "plain": max(0.0, 1.0 - (lookup + head) / steps),
+            "store": store / steps,
+            "store_acceptance": sum(t.get("store_accepted", 0) for t in turns) / proposed if proposed else None,
             "depths": {d: n / head for d, n in sorted(depths.items(), key=lambda kv: int(kv[0]))} if head else {}}
 
 

@@ -27,7 +27,9 @@ class DraftBlock:
     probs: torch.Tensor | None
     exit_states: torch.Tensor | None
     start: int = 0  # position of the pending token (exit_states[:, 0])
-    source: str = "early_exit"  # or "lookup" (n-gram match): each source learns its own acceptance
+    # "early_exit", "lookup" (an n-gram match in the request's text) or "store" (in text the target wrote before,
+    # selfspec.drafting.store): each source learns its own acceptance
+    source: str = "early_exit"
     exit_layer: int | None = None  # depth the exit states come from (verification starts there); None: the drafter's
     tree: TokenTree | None = None  # a token tree (selfspec.drafting.tree): tokens are its nodes 1.., exit_states all nodes
     levels: int = 0  # a tree's depth in levels (what its policy learns from); 0 for chains
@@ -80,6 +82,9 @@ class Drafter(Protocol):
 
     def lookup_drafts(self, seq: SequenceState, limit: int) -> list[int]:
         """Drafts that cost no model work (an n-gram match), at most ``limit``; [] when there are none."""
+
+    def lookup_source(self, seq: SequenceState) -> str:
+        """Where the drafts ``lookup_drafts`` just gave came from: "lookup" (the request's text) or "store"."""
 
     def lookup_available(self, seq: SequenceState) -> bool:
         """Whether ``lookup_drafts`` would give a block now."""
@@ -137,6 +142,9 @@ class BaseDrafter:
 
     def lookup_drafts(self, seq: SequenceState, limit: int) -> list[int]:
         return []
+
+    def lookup_source(self, seq: SequenceState) -> str:
+        return "lookup"
 
     def lookup_available(self, seq: SequenceState) -> bool:
         return False

@@ -33,18 +33,21 @@ from selfspec.config import GenerateConfig
 from selfspec.drafting.base import BaseDrafter, DraftBlock, Drafter
 from selfspec.drafting.lookup import NgramIndex
 from selfspec.drafting.policies import ByMatchLength, DraftPolicy, FixedPolicy
+from selfspec.drafting.store import TokenStore
 from selfspec.drafting.tree import TokenTree
 from selfspec.heads.base import ExitHead
 from selfspec.models.split import SplitModel
 from selfspec.sampling import greedy, logits_to_probs, sample
 from selfspec.state import SequenceState
+from selfspec.stats import LOOKUP_SOURCES
 
 
 class EarlyExitDrafter(BaseDrafter):
     def __init__(self, split: SplitModel, head: ExitHead, policy: DraftPolicy, lookup: int = 0,
                  lookup_ngram: int = 3, lookup_policy: ByMatchLength | None = None, head_drafts: bool = True,
                  catch_up_limit: float = math.inf, head_context: int | None = None,
-                 lookup_streak_policy: ByMatchLength | None = None, lookup_longest: bool = True) -> None:
+                 lookup_streak_policy: ByMatchLength | None = None, lookup_longest: bool = True,
+                 store: TokenStore | None = None, store_policy: ByMatchLength | None = None) -> None:
         self.split, self.head, self.policy = split, head, policy
         self.exit_layer = head.exit_layer
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
@@ -64,6 +67,10 @@ class EarlyExitDrafter(BaseDrafter):
         # At most this many rows of backlog are caught up before a draft; older ones the head never sees (it
         # restarts its context after them, ``ExitHead.skip``). None: every row (at first the whole prompt)
         self.head_context = head_context
+        # Text the target wrote before (selfspec.drafting.store): its continuation is the lookup block when the
+        # request's own text has no match; such blocks (source "store") learn their acceptance in store_policy
+        self.store = store
+        self.store_policy = store_policy or ByMatchLength(FixedPolicy, ())
 
     def begin(self, seq: SequenceState, seed: int | None) -> None:
         """Before a request's prefill: its own policy state (seeded) and its first exit depth."""
@@ -203,14 +210,24 @@ class EarlyExitDrafter(BaseDrafter):
         if self.lookup <= 0 or not seq.tokens:
             return []
         found = self._ngram_index(seq).match(min(limit, self.lookup))
+        seq.extras["lookup_store"] = False
+        if not found.tokens and self.store is not None:  # nothing in the request's text: text the target wrote before
+            found = self.store.match(seq.tokens, min(limit, self.lookup))
+            seq.extras["lookup_store"] = True
         if not found.tokens:
             return []
         seq.extras["lookup_match"] = found.length  # the block's policy, here and when its verdict comes
         return list(found.tokens[: self.lookup_policy_of(seq).max_drafts(self.lookup)])
 
+    def lookup_source(self, seq: SequenceState) -> str:
+        """The source of the lookup block ``lookup_drafts`` just proposed: "store" or "lookup" (the request's text)."""
+        return "store" if seq.extras.get("lookup_store") else "lookup"
+
     def lookup_policy_of(self, seq: SequenceState) -> DraftPolicy:
-        """The policy of ``seq``'s lookup block: the streak's after a lookup block accepted whole, else the
-        lookup policy; each the one of the block's match length."""
+        """The policy of ``seq``'s lookup block: a store block's by its match length; the streak's after a lookup
+        block accepted whole, else the lookup policy, each the one of the block's match length."""
+        if seq.extras.get("lookup_store"):
+            return self.store_policy.of(seq.extras.get("lookup_match", 0))
         table = self.lookup_policy
         if self.lookup_streak_policy is not None and seq.extras.get("lookup_streak"):
             table = self.lookup_streak_policy
@@ -221,7 +238,7 @@ class EarlyExitDrafter(BaseDrafter):
         drafts = self.lookup_drafts(seq, limit)
         if not drafts:
             return None
-        block = DraftBlock(list(drafts), None, None, start=seq.length, source="lookup")
+        block = DraftBlock(list(drafts), None, None, start=seq.length, source=self.lookup_source(seq))
         # without head drafts the exit states are not kept (the head never runs): verified from the embeddings
         return self.with_exit_states(seq, block) if self.head_drafts else block
 
@@ -238,7 +255,10 @@ class EarlyExitDrafter(BaseDrafter):
 
     def lookup_available(self, seq: SequenceState) -> bool:
         """Whether a lookup block would be proposed now (the text's last n-gram occurred before)."""
-        return self.lookup > 0 and bool(seq.tokens) and bool(self._ngram_index(seq).continuation(1))
+        if self.lookup <= 0 or not seq.tokens:
+            return False
+        return bool(self._ngram_index(seq).continuation(1)) or (
+            self.store is not None and bool(self.store.match(seq.tokens, 1).tokens))
 
     def propose(self, seq: SequenceState, max_drafts: int, gen: GenerateConfig,
                 limit: int | None = None) -> DraftBlock:
@@ -333,11 +353,12 @@ class EarlyExitDrafter(BaseDrafter):
         ``proposed``: the draft length the policy learns from (default: the block's tokens; a tree's
         accepted path passes the depth the tree was drafted to). ``observe=False``: a verdict the pipeline
         only supposes, to draft ahead (the policies learn nothing from it)."""
-        policy = self.lookup_policy_of(seq) if block.source == "lookup" else self.policy_of(seq)
-        if observe and (self.head_drafts or block.source == "lookup"):
+        looked = block.source in LOOKUP_SOURCES
+        policy = self.lookup_policy_of(seq) if looked else self.policy_of(seq)
+        if observe and (self.head_drafts or looked):
             policy.observe(len(block.tokens) if proposed is None else proposed, num_accepted)
         if observe:
-            seq.extras["lookup_streak"] = block.source == "lookup" and num_accepted == len(block.tokens) > 0
+            seq.extras["lookup_streak"] = looked and num_accepted == len(block.tokens) > 0
         if not self.head_drafts:
             return
         if self.head.needs_context:

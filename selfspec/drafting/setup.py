@@ -20,6 +20,7 @@ from selfspec.drafting.policies import (
     ThompsonPolicy,
     make_policy,
 )
+from selfspec.drafting.store import resolve_store
 from selfspec.engine import MAX_TREE_NODES
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.base import ExitHead
@@ -31,6 +32,7 @@ from selfspec.tuning import Tuning, head_depths
 MAX_AUTO_GAMMA = 8  # the longest draft the cost-aware choice considers
 LOOKUP_PRIOR = 0.5  # prior acceptance of lookup drafts per position (then learned from every lookup round)
 LOOKUP_STREAK_PRIOR = 0.8  # ... of those right after a lookup block accepted whole (a copied span goes on)
+STORE_PRIOR = 0.4  # ... of the token store's (text the target wrote for other prompts: a weaker match than its own)
 
 
 def check(draft: DraftConfig) -> None:
@@ -70,7 +72,7 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     if threshold is None:  # the calibration's confidence stop, else 0.5 (measured best for the bundled head)
         threshold = tuning.threshold if tuning is not None else 0.5
         draft = replace(draft, threshold=threshold)
-    policy, gamma, lookup_policy, streak_policy = _policies(ss, head, draft, name, threshold, tuning)
+    policy, gamma, lookup_policy, streak_policy, store_policy = _policies(ss, head, draft, name, threshold, tuning)
     # a calibration that found no early-exit draft paying: lookup alone, unless the user wants exploration
     head_drafts = not (tuning is not None and tuning.gamma == 0 and draft.gamma is None and not draft.explore
                        and draft.lookup > 0)
@@ -84,7 +86,8 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     if tuning is not None and head.stateful:
         limit = catch_up_limit(ss.draft_costs(head, draft, head.exit_layer), tuning, ss.split.num_layers - head.exit_layer)
     drafter = EarlyExitDrafter(ss.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy, head_drafts,
-                               limit, draft.head_context, streak_policy, draft.lookup_match)
+                               limit, draft.head_context, streak_policy, draft.lookup_match,
+                               resolve_store(draft.store) if draft.lookup > 0 else None, store_policy)
     return drafter, gamma, replace(draft, exit_layer=head.exit_layer, policy=name), tuning
 
 
@@ -108,16 +111,18 @@ def catch_up_limit(costs: DraftCosts, tuning: Tuning | None, deep_layers: int) -
 
 
 def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold: float,
-              tuning: Tuning | None) -> tuple[DraftPolicy, int, ByMatchLength | None, ByMatchLength | None]:
+              tuning: Tuning | None) -> tuple[DraftPolicy, int, ByMatchLength | None, ByMatchLength | None,
+                                              ByMatchLength | None]:
     """(the drafts' policy, most drafts per round, the lookup drafts' policy or None, the policy of lookup blocks
-    after one accepted whole or None) of ``draft`` (its tree width resolved: ``early_exit``)."""
+    after one accepted whole or None, the token store's blocks' or None) of ``draft`` (its tree width resolved:
+    ``early_exit``)."""
     assert draft.tree_width is not None
     base = make_policy(name, threshold)
     policy: DraftPolicy = base
     gamma = draft.gamma
     lookup_policy: ByMatchLength | None = None
     if not (name.startswith("thompson") or gamma is None):
-        return policy, gamma, None, None
+        return policy, gamma, None, None, None
     thompson = name.startswith("thompson")  # only a Thompson policy drafts at other depths (the bandit)
     costs = {d: ss.draft_costs(head, draft, d) for d in (head_depths(head) if thompson else [head.exit_layer])}
     if tuning is not None:  # what real rounds cost beyond their layers (measured by the calibration)
@@ -129,7 +134,7 @@ def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold:
         policy = DepthBandit(arms, k) if draft.depth_policy == "bandit" and len(arms) > 1 else arms[k]
     else:
         policy = CostAwarePolicy(base, shaped[k])
-    streak_policy = None
+    streak_policy = store_policy = None
     if gamma is None:  # lookup blocks as long as the measured block costs and the lookup acceptance seen pay for,
         # learned apart per bucket of match lengths (a long match is a copied span that goes on)
         lookup_costs, bounds = costs[k].for_lookup(), MATCH_BOUNDS if draft.lookup_match else ()
@@ -137,13 +142,15 @@ def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold:
                                       bounds)
         streak_policy = ByMatchLength(
             lambda: CostAwarePolicy(make_policy("fixed"), lookup_costs, prior=LOOKUP_STREAK_PRIOR), bounds)
+        store_policy = ByMatchLength(lambda: CostAwarePolicy(make_policy("fixed"), lookup_costs, prior=STORE_PRIOR),
+                                     bounds)
     if gamma is None:
         gamma = MAX_AUTO_GAMMA
         if draft.tree_width > 1:
             gamma = max(1, min(MAX_AUTO_GAMMA, (MAX_TREE_NODES - 1) // draft.tree_width))
         if tuning is not None:  # the calibrated cap (the replayed optimum; 1 when nothing paid, to explore)
             gamma = min(gamma, max(tuning.gamma, 1))
-    return policy, gamma, lookup_policy, streak_policy
+    return policy, gamma, lookup_policy, streak_policy, store_policy
 
 
 def specee_runner(split: SplitModel, drafter: EarlyExitDrafter, draft: DraftConfig) -> SpecEERunner | None:
