@@ -10,6 +10,7 @@ as a config; every command module uses them.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
@@ -326,6 +327,17 @@ def _list_item(typ: type, choices: list[Any] | None) -> Any:
 
     parse.__name__ = typ.__name__  # argparse names the type in its error: "invalid int value: '1,x'"
     return parse
+
+
+def add_command(sub: Any, name: str, configs: tuple[type, ...], func: Callable[[argparse.Namespace], int],
+                help: str) -> argparse.ArgumentParser:
+    """The subcommand ``name`` on ``sub`` (the CLI's subparsers): one option per field of each dataclass in
+    ``configs`` (``add_config_args``, in that order), run by ``func``; returns its parser for any further options."""
+    p = sub.add_parser(name, help=help)
+    for cls in configs:
+        add_config_args(p, cls)
+    p.set_defaults(func=func)
+    return p
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:

@@ -43,7 +43,7 @@ from selfspec.bench.specbench import (
     select_questions,
     turn_prompt,
 )
-from selfspec.config import GenerateConfig, ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import GenerateConfig, ModelConfig, add_command, config_from_args, opt
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import make_policy
 from selfspec.engine import Engine
@@ -235,7 +235,5 @@ def cmd(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench-batch", help="Batched decoding throughput: plain, EXSPEC, EQSPEC, hf padded generate.")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, BatchBenchConfig)
-    p.set_defaults(func=cmd)
+    add_command(sub, "bench-batch", (ModelConfig, BatchBenchConfig), cmd,
+                "Batched decoding throughput: plain, EXSPEC, EQSPEC, hf padded generate.")

@@ -45,7 +45,7 @@ from selfspec.config import (
     GenerateConfig,
     ModelConfig,
     PipelineConfig,
-    add_config_args,
+    add_command,
     config_from_args,
     opt,
 )
@@ -222,7 +222,5 @@ def cmd(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench-pipeline", help="PPSD and Mirror-SD on Spec-Bench next to the sequential engine.")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, PipelineBenchConfig)
-    p.set_defaults(func=cmd)
+    add_command(sub, "bench-pipeline", (ModelConfig, PipelineBenchConfig), cmd,
+                "PPSD and Mirror-SD on Spec-Bench next to the sequential engine.")

@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 
 from selfspec.api import SelfSpec
-from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import (
+    DraftConfig,
+    GenerateConfig,
+    ModelConfig,
+    add_command,
+    config_from_args,
+    opt,
+)
 from selfspec.progress import progress
 
 PROMPTS = [
@@ -118,7 +125,5 @@ def cmd(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench-quick", help="Time hf generate, plain and selfspec side by side on a few prompts.")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, QuickBenchConfig)
-    p.set_defaults(func=cmd)
+    add_command(sub, "bench-quick", (ModelConfig, QuickBenchConfig), cmd,
+                "Time hf generate, plain and selfspec side by side on a few prompts.")

@@ -33,7 +33,7 @@ from typing import Any
 
 from selfspec.api import SelfSpec
 from selfspec.bench.specbench import DEFAULT_QUESTIONS, load_questions, select_questions
-from selfspec.config import GenerateConfig, ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import GenerateConfig, ModelConfig, add_command, config_from_args, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.paths import atomic_write_text
 from selfspec.progress import progress
@@ -134,8 +134,6 @@ def cmd(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench-rounds", help="What each kind of decoding round costs in plain steps, on real prompts "
-                                            "(plain and the default alternating).")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, RoundsBenchConfig)
-    p.set_defaults(func=cmd)
+    add_command(sub, "bench-rounds", (ModelConfig, RoundsBenchConfig), cmd,
+                "What each kind of decoding round costs in plain steps, on real prompts "
+                "(plain and the default alternating).")

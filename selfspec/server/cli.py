@@ -8,7 +8,13 @@ from typing import Any
 
 from selfspec.api import SelfSpec
 from selfspec.batch.scheduler import BatchConfig
-from selfspec.config import DraftConfig, ModelConfig, PipelineConfig, add_config_args, config_from_args
+from selfspec.config import (
+    DraftConfig,
+    ModelConfig,
+    PipelineConfig,
+    add_command,
+    config_from_args,
+)
 from selfspec.server.app import serve
 from selfspec.server.config import ServeConfig
 from selfspec.server.ray_serve import serve_ray
@@ -35,9 +41,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     """Register ``selfspec serve`` on the CLI's subparsers."""
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics).")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, DraftConfig)
-    add_config_args(p, ServeConfig)
-    add_config_args(p, BatchConfig)
-    p.set_defaults(func=cmd_serve)
+    add_command(sub, "serve", (ModelConfig, DraftConfig, ServeConfig, BatchConfig), cmd_serve,
+                "OpenAI-compatible HTTP server (completions, chat, streaming, metrics).")

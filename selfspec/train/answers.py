@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.api import SelfSpec
-from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import DraftConfig, ModelConfig, add_command, config_from_args, opt
 from selfspec.progress import progress
 from selfspec.train.sharegpt import ConversationSource, iter_records
 
@@ -90,10 +90,8 @@ def answer_prompts(ss: Any, cfg: AnswerConfig) -> dict[str, Any]:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("answer-prompts", help="The target's own greedy answers to ShareGPT prompts (training text).")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, AnswerConfig)
-    p.set_defaults(func=cmd_answer_prompts)
+    add_command(sub, "answer-prompts", (ModelConfig, AnswerConfig), cmd_answer_prompts,
+                "The target's own greedy answers to ShareGPT prompts (training text).")
 
 
 def cmd_answer_prompts(args: Any) -> int:

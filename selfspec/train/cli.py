@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.api import SelfSpec
-from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import DraftConfig, ModelConfig, add_command, config_from_args, opt
 from selfspec.progress import progress
 from selfspec.stats import GenerationStats
 from selfspec.train.data import generate_data, load_seed_prompts, read_sequences
@@ -90,12 +90,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    t = sub.add_parser("train", help="Train an exit head by self-distillation (target frozen).")
-    add_config_args(t, ModelConfig)
-    add_config_args(t, TrainConfig)
-    t.set_defaults(func=cmd_train)
-    e = sub.add_parser("eval-draft", help="Acceptance per draft position and mean accepted length of a head.")
-    add_config_args(e, ModelConfig)
-    add_config_args(e, DraftConfig)
-    add_config_args(e, EvalDraftConfig)
-    e.set_defaults(func=cmd_eval_draft)
+    add_command(sub, "train", (ModelConfig, TrainConfig), cmd_train,
+                "Train an exit head by self-distillation (target frozen).")
+    add_command(sub, "eval-draft", (ModelConfig, DraftConfig, EvalDraftConfig), cmd_eval_draft,
+                "Acceptance per draft position and mean accepted length of a head.")

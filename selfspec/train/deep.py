@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from selfspec.config import ModelConfig, add_config_args, config_from_args, int_set, opt
+from selfspec.config import ModelConfig, add_command, config_from_args, int_set, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.deep import DeepContextHead
 from selfspec.heads.io import load_head, new_head, save_head
@@ -319,10 +319,8 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("train-deep", help="Train a deep-context head from stored target features.")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, DeepTrainConfig)
-    p.set_defaults(func=cmd_train_deep)
+    add_command(sub, "train-deep", (ModelConfig, DeepTrainConfig), cmd_train_deep,
+                "Train a deep-context head from stored target features.")
 
 
 def cmd_train_deep(args: Any) -> int:

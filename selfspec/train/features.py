@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.config import ModelConfig, add_config_args, config_from_args, int_set, opt
+from selfspec.config import ModelConfig, add_command, config_from_args, int_set, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.progress import progress
 from selfspec.train.cli import load_target
@@ -214,10 +214,8 @@ def load_exit_features(path: str | Path, exit_layer: int, split: Any, max_tokens
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("collect-features", help="Teacher-force the target over chat text and store features for head training.")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, FeatureConfig)
-    p.set_defaults(func=cmd_collect_features)
+    add_command(sub, "collect-features", (ModelConfig, FeatureConfig), cmd_collect_features,
+                "Teacher-force the target over chat text and store features for head training.")
 
 
 def cmd_collect_features(args: Any) -> int:

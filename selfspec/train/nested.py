@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from selfspec.config import ModelConfig, add_config_args, config_from_args, int_set, opt
+from selfspec.config import ModelConfig, add_command, config_from_args, int_set, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import load_head, new_head
 from selfspec.heads.nested import NestedDeepHead
@@ -149,10 +149,8 @@ def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[Nested
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("train-nested", help="Sorted training of a nested (multi-depth) exit head from stored features.")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, NestedTrainConfig)
-    p.set_defaults(func=cmd_train_nested)
+    add_command(sub, "train-nested", (ModelConfig, NestedTrainConfig), cmd_train_nested,
+                "Sorted training of a nested (multi-depth) exit head from stored features.")
 
 
 def cmd_train_nested(args: Any) -> int:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.api import SelfSpec
-from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import DraftConfig, ModelConfig, add_command, config_from_args, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.progress import progress
 from selfspec.specee.candidates import candidate_features, candidate_logits
@@ -206,10 +206,8 @@ def train_predictors(split: Any, head: Any, tokenizer: Any, cfg: PredictorConfig
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("train-predictors", help="Train SpecEE's per-layer exit predictors for an exit head.")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, PredictorConfig)
-    p.set_defaults(func=cmd_train_predictors)
+    add_command(sub, "train-predictors", (ModelConfig, PredictorConfig), cmd_train_predictors,
+                "Train SpecEE's per-layer exit predictors for an exit head.")
 
 
 def cmd_train_predictors(args: Any) -> int:

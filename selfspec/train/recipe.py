@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from selfspec.api import SelfSpec
-from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, int_set, opt
+from selfspec.config import DraftConfig, ModelConfig, add_command, config_from_args, int_set, opt
 from selfspec.costs import best_gamma, measure_draft_costs, time_head
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.deep import DeepContextHead
@@ -262,11 +262,9 @@ def bundle(head_dir: str | Path, model_id: str) -> Path:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("train-recipe", help="From nothing to a trained deep head for a model: own answers, features, "
-                       "training, VocabTrim sizing, evaluation and recommended settings (resumable, time-boxed).")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, RecipeConfig)
-    p.set_defaults(func=cmd_train_recipe)
+    add_command(sub, "train-recipe", (ModelConfig, RecipeConfig), cmd_train_recipe,
+                "From nothing to a trained deep head for a model: own answers, features, "
+                "training, VocabTrim sizing, evaluation and recommended settings (resumable, time-boxed).")
 
 
 def cmd_train_recipe(args: Any) -> int:

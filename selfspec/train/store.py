@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import ModelConfig, add_command, config_from_args, opt
 from selfspec.drafting.store import TokenStore
 from selfspec.errors import InvalidConfigError
 from selfspec.models.loading import load_model
@@ -63,10 +63,8 @@ def build_store(tokenizer: Any, cfg: StoreConfig) -> dict[str, Any]:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("build-store", help="A token store for lookup drafts from the target's own answers.")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, StoreConfig)
-    p.set_defaults(func=cmd_build_store)
+    add_command(sub, "build-store", (ModelConfig, StoreConfig), cmd_build_store,
+                "A token store for lookup drafts from the target's own answers.")
 
 
 def cmd_build_store(args: Any) -> int:

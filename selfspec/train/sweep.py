@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
+from selfspec.config import ModelConfig, add_command, config_from_args, opt
 from selfspec.errors import ModelNotFoundError
 from selfspec.heads.io import check_exit_layer, new_head
 from selfspec.models.split import SplitModel
@@ -194,7 +194,5 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("sweep-exit", help="Measure acceptance and cost per exit layer; recommend one.")
-    add_config_args(p, ModelConfig)
-    add_config_args(p, SweepConfig)
-    p.set_defaults(func=cmd_sweep)
+    add_command(sub, "sweep-exit", (ModelConfig, SweepConfig), cmd_sweep,
+                "Measure acceptance and cost per exit layer; recommend one.")
