@@ -153,7 +153,8 @@ def test_speedup_is_a_ratio_of_means_and_mal_pools_steps(tmp_path):
     hf = [record(81, "writing", [5, 5], [0.5, 0.5]), record(161, "translation", [20], [1.0]),
           record(241, "qa", [30], [1.0])]  # 10, 20, 30 tok/s
     fast = [record(81, "writing", [5, 5], [0.125, 0.125], accepts=[[2, 2], [3, 1]], drafts=[6, 6],  # 40 tok/s
-                   rounds=[{"lookup": 1, "depths": {"1": 1}}, {"lookup": 0, "depths": {"1": 1, "2": 1}}]),
+                   rounds=[{"lookup": 1, "depths": {"1": 1}, "store": 1, "store_proposed": 4, "store_accepted": 1},
+                           {"lookup": 0, "depths": {"1": 1, "2": 1}}]),
             record(161, "translation", [20], [1.0], accepts=[[4] * 4 + [3]], drafts=[20]),  # 20 tok/s
             record(241, "qa", [30], [1.0], accepts=[[1] * 29], drafts=[29], ids=[[7] * 30])]  # 30 tok/s
     for name, recs in (("hf", hf), ("fast", fast)):
@@ -176,7 +177,8 @@ def test_speedup_is_a_ratio_of_means_and_mal_pools_steps(tmp_path):
     assert mt["speedup"] == pytest.approx(4.0) and mt["mal"] == pytest.approx(2.0) and mt["questions"] == 1
     # 4 steps: 1 lookup, 3 early-exit rounds (two at depth 1, one at depth 2), no plain step
     depths = mt["rounds"].pop("depths")
-    assert mt["rounds"] == pytest.approx({"lookup": 0.25, "head": 0.75, "plain": 0.0})
+    assert mt["rounds"].pop("store_acceptance") == pytest.approx(0.25)  # the lookup step drafted from a token store
+    assert mt["rounds"] == pytest.approx({"lookup": 0.25, "head": 0.75, "plain": 0.0, "store": 0.25})
     assert depths == pytest.approx({"1": 2 / 3, "2": 1 / 3})
     assert "rounds" not in s["groups"]["mt_bench"]["hf"]
     assert list(s["groups"]) == ["mt_bench", "translation", "qa", "overall"]
