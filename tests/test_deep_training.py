@@ -89,10 +89,16 @@ def test_features_equal_a_fresh_forward_and_resume(sharegpt_file, tmp_path):
         collect_features(ss.split, ss.tokenizer, replace(skipped, skip=0))
 
 
-def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_path):
+def collected_features(sharegpt_file, tmp_path, layers: str) -> tuple[SelfSpec, FeatureConfig]:
+    """A tiny llama target and its features over the test conversations (states after ``layers``), in tmp_path/f."""
     ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
-    feats = FeatureConfig(out=str(tmp_path / "f"), source=str(sharegpt_file), layers="2", max_tokens=96)
+    feats = FeatureConfig(out=str(tmp_path / "f"), source=str(sharegpt_file), layers=layers, max_tokens=96)
     collect_features(ss.split, ss.tokenizer, feats)
+    return ss, feats
+
+
+def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_path):
+    ss, feats = collected_features(sharegpt_file, tmp_path, "2")
     cfg = DeepTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=2, out=str(tmp_path / "h"),
                           epochs=6, batch_tokens=400, lr=5e-3, warmup=2, vocab_trim=40)
     head, report = train_deep_head(ss.split, cfg)
@@ -131,9 +137,7 @@ def test_deep_head_at_exit_layer_0_drafts_from_the_embeddings_losslessly(sharegp
     """Exit layer 0: the head reads the token embeddings (looked up from the stored ids, no stored h0) and the
     deep context, so a draft runs no target layer; it learns, fine-tunes from a head at another layer, and
     decodes losslessly as chains and trees. Other heads still need a layer."""
-    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
-    feats = FeatureConfig(out=str(tmp_path / "f"), source=str(sharegpt_file), layers="2", max_tokens=96)
-    collect_features(ss.split, ss.tokenizer, feats)
+    ss, feats = collected_features(sharegpt_file, tmp_path, "2")
     fs = load_exit_features(feats.out, 0, ss.split)
     assert "h0" not in load_features(feats.out).tensors
     assert torch.equal(fs.tensors["h0"], ss.model.get_input_embeddings()(fs.tensors["ids"].long()).half())
@@ -161,9 +165,7 @@ def test_train_deep_with_context_layers_fine_tunes_a_head_and_decodes_losslessly
     from a head without them, it starts exactly where that head was (their fuse columns start at zero), learns,
     saves them in its config, and the engine keeps those states at every verification: lossless, drafts accepted.
     Layers the features do not hold are named."""
-    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
-    feats = FeatureConfig(out=str(tmp_path / "f"), source=str(sharegpt_file), layers="1,3", max_tokens=96)
-    collect_features(ss.split, ss.tokenizer, feats)
+    ss, feats = collected_features(sharegpt_file, tmp_path, "1,3")
     base = DeepTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=0, out=str(tmp_path / "b"),
                            epochs=3, batch_tokens=400, lr=5e-3, warmup=2, vocab_trim=40)
     _, before = train_deep_head(ss.split, base)
@@ -218,9 +220,7 @@ def test_train_nested_every_depth_learns_and_decodes_losslessly(sharegpt_file, t
     engine decodes with it losslessly; resuming a finished run trains no further steps."""
     from selfspec.train.nested import NestedTrainConfig, train_nested_head
 
-    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
-    feats = FeatureConfig(out=str(tmp_path / "f"), source=str(sharegpt_file), layers="1,2,3", max_tokens=96)
-    collect_features(ss.split, ss.tokenizer, feats)
+    ss, feats = collected_features(sharegpt_file, tmp_path, "1,2,3")
     cfg = NestedTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=2, depths="1,2,3",
                             out=str(tmp_path / "n"), epochs=6, batch_tokens=400, lr=5e-3, warmup=2, vocab_trim=40)
     head, report = train_nested_head(ss.split, cfg)

@@ -112,8 +112,9 @@ class TokenStore:
         n = self.ngram
         if max_tokens <= 0 or len(text) < n or not len(self._keys):
             return Match([], 0)
-        tail = np.array(text[-MAX_MATCH:], dtype=np.int64)[::-1]  # the text backwards from its last token
-        key = _keys(tail[::-1], np.array([len(tail) - 1]), n)[0]
+        last = np.array(text[-MAX_MATCH:], dtype=np.int64)
+        key = _keys(last, np.array([len(last) - 1]), n)[0]
+        tail = last[::-1]  # the text backwards from its last token
         lo = int(np.searchsorted(self._keys, key, side="left"))
         hi = min(int(np.searchsorted(self._keys, key, side="right")), lo + CANDIDATES)
         if lo >= hi:
@@ -140,7 +141,6 @@ class TokenStore:
             out.append(tok)
             live = live[nxt == tok]
         return Match(out, best)
-
 
 
 def resolve_store(spec: str) -> TokenStore | None:
