@@ -15,7 +15,7 @@ from conftest import hf_greedy, tiny_model, tiny_tokenizer
 from selfspec import DraftConfig, SelfSpec
 from selfspec.errors import ExitLayerError, InvalidConfigError, ModelNotFoundError
 from selfspec.heads.io import load_head
-from selfspec.train.deep import DeepTrainConfig, train_deep_head
+from selfspec.train.deep import DeepTrainConfig, autocast_dtype, fitted_schedule, train_deep_head
 from selfspec.train.features import (
     FeatureConfig,
     collect_features,
@@ -131,6 +131,35 @@ def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_pat
     with pytest.raises(InvalidConfigError, match="not stored"):
         train_deep_head(ss.split, DeepTrainConfig(features=feats.out, heldout_features="", exit_layer=1,
                                                   out=str(tmp_path / "x")))
+
+
+def test_train_deep_in_bfloat16_learns_and_a_time_box_fits_its_schedule(sharegpt_file, tmp_path):
+    ss, feats = collected_features(sharegpt_file, tmp_path, "2")
+    cfg = DeepTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=2, out=str(tmp_path / "h"),
+                          epochs=6, batch_tokens=400, lr=5e-3, warmup=2, vocab_trim=40, precision="bfloat16")
+    _, report = train_deep_head(ss.split, cfg)
+    assert report["autocast"] == "torch.bfloat16" and report["schedule_steps"] == report["total_steps"]
+    assert report["heldout_after"]["top1"] > report["heldout_before"]["top1"] + 0.1  # held-out: evaluated in float32
+    ss.set_draft(DraftConfig(head=cfg.out, gamma=3, lookup=0))
+    prompt = ss.encode([{"role": "user", "content": "the cat sat on"}])
+    assert ss.generate(prompt, max_new_tokens=20).token_ids == hf_greedy(ss.model, prompt, 20)
+    # a time box far shorter than the epochs: the cosine is fitted to the steps that fit, and ends at its floor there
+    boxed = replace(cfg, out=str(tmp_path / "b"), epochs=10_000, minutes=0.03, precision="float32")
+    _, rep = train_deep_head(ss.split, boxed)
+    assert rep["autocast"] == "none" and rep["schedule_steps"] < rep["total_steps"]
+    lrs = [h["lr"] for h in json.loads((tmp_path / "b" / "train_report.json").read_text())["history"]]
+    assert max(lrs) == pytest.approx(cfg.lr) and len(lrs) == rep["steps"] and lrs[-1] < 0.5 * cfg.lr
+    _, unfitted = train_deep_head(ss.split, replace(boxed, out=str(tmp_path / "u"), fit_schedule=False))
+    lrs = [h["lr"] for h in json.loads((tmp_path / "u" / "train_report.json").read_text())["history"]]
+    assert unfitted["schedule_steps"] == unfitted["total_steps"] and lrs[-1] > 0.9 * cfg.lr  # cut off at its peak
+    with pytest.raises(InvalidConfigError, match="precision 'fp16'"):
+        autocast_dtype("fp16")
+
+
+def test_a_fitted_schedule_spans_the_steps_that_fit():
+    assert fitted_schedule(11, 6.3, 800.0, 560) == 11 + 126
+    assert fitted_schedule(11, 1.0, 10_000.0, 560) == 560  # never past the epochs
+    assert fitted_schedule(11, 6.3, 0.0, 560) == 12  # at least one more step
 
 
 def test_deep_head_at_exit_layer_0_drafts_from_the_embeddings_losslessly(sharegpt_file, tmp_path):

@@ -30,6 +30,7 @@ from selfspec.errors import InvalidConfigError
 from selfspec.heads.deep import DeepContextHead
 from selfspec.heads.io import load_head, new_head, save_head
 from selfspec.heads.kangaroo import RMSNorm
+from selfspec.kernels.build import cpu_flags
 from selfspec.models.split import SplitModel
 from selfspec.progress import progress
 from selfspec.train.cli import load_target
@@ -66,6 +67,12 @@ class DeepTrainConfig:
                            "--init from a one-layer head starts where it was).")
     context_layers: str = opt("", "Target layers whose states of the previous token the head reads besides the final one "
                               "(EAGLE-3's fused features; comma-separated, each stored in the features; '': none).")
+    precision: str = opt("auto", "Matmul precision of training: 'float32'; 'bfloat16' (autocast: the head's matmuls in "
+                         "bf16, its weights, optimizer, losses and held-out evaluation in float32); 'auto': bfloat16 where "
+                         "this CPU multiplies bf16 natively (AVX-512 BF16, AMX), float32 elsewhere.",
+                         choices=["auto", "float32", "bfloat16"])
+    fit_schedule: bool = opt(True, "With --minutes: the cosine learning-rate schedule ends when the time box does (its "
+                             "length in steps refitted every step from the pace so far) instead of being cut off partway through --epochs.")
     checkpoint_every: int = opt(100, "Write a checkpoint every this many steps.")
     resume: bool = opt(True, "Continue from <out>.checkpoint.pt when it exists.")
 
@@ -134,14 +141,14 @@ def deep_loss(head: DeepFeatures, lm_rows: torch.Tensor, batch: dict[str, torch.
     pos = torch.arange(h.shape[1])[None].expand(h.shape[0], -1)
     valid = labels >= 0
     f1 = head.features(h, ctx, pos)
-    logits1 = head.norm_out(f1)[valid] @ lm_rows.T  # [n, vocab_trim]
+    logits1 = (head.norm_out(f1)[valid] @ lm_rows.T).float()  # [n, vocab_trim] (float32 losses under autocast)
     ce1 = F.cross_entropy(logits1, labels[valid])
-    reg = F.mse_loss(_rms(f1), _rms(final))
+    reg = F.mse_loss(_rms(f1.float()), _rms(final))
     loss, m = ce1 + cfg.reg_weight * reg, {}
     m["top1"] = float((logits1.argmax(-1) == labels[valid]).float().mean())
     if cfg.unroll_weight > 0:
         ctx2 = torch.cat([ctx[:, :1, : f1.shape[-1]], f1[:, :-1]], dim=1)  # draft positions: f^ only
-        logits2 = head.norm_out(head.features(h, ctx2, pos))[valid] @ lm_rows.T
+        logits2 = (head.norm_out(head.features(h, ctx2, pos))[valid] @ lm_rows.T).float()
         ce2 = F.cross_entropy(logits2, labels[valid])
         loss = loss + cfg.unroll_weight * ce2
         m["top1_unrolled"] = float((logits2.argmax(-1) == labels[valid]).float().mean())
@@ -196,45 +203,93 @@ def resume(head: torch.nn.Module, ckpt: Path, cfg: DeepTrainConfig) -> tuple[int
     return 0, []
 
 
+PRECISIONS = ("auto", "float32", "bfloat16")  # DeepTrainConfig.precision
+FIT_AFTER = 10  # steps timed (after the first) before a time-boxed run fits its schedule to the time box
+
+
+def bf16_native() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX: oneDNN's bf16 GEMM then runs at about
+    twice its float32 speed; measured 351 vs 188 GFLOP/s on the AMD EPYC Zen 5 of docs/TRAINING.md). Elsewhere bf16
+    is emulated and no faster."""
+    flags = set(cpu_flags().split())
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported() and bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of ``DeepTrainConfig.precision`` on this machine (None: float32 throughout)."""
+    if precision not in PRECISIONS:
+        raise InvalidConfigError(f"unknown training precision '{precision}' (known: {', '.join(PRECISIONS)})")
+    if precision == "bfloat16" or (precision == "auto" and bf16_native()):
+        return torch.bfloat16
+    return None
+
+
+def fitted_schedule(step: int, pace: float, left: float, total: int) -> int:
+    """The steps a time-boxed schedule spans: those done (``step``) and those that fit in the ``left`` seconds at
+    ``pace`` seconds a step, at least one more and at most ``total``. E.g. step 11, 6.3 s a step, 800 s left:
+    11 + 126 = 137 steps (of the 560 that 4 epochs would take)."""
+    return min(total, step + max(1, int(left / max(pace, 1e-9))))
+
+
 def train_steps(head: torch.nn.Module, train: FeatureSet, cfg: DeepTrainConfig, ckpt: Path, step: int,
-                history: list[dict[str, Any]], step_loss: Any, desc: str) -> tuple[int, list, float, int]:
+                history: list[dict[str, Any]], step_loss: Any, desc: str) -> tuple[int, list, float, int, int]:
     """The optimizer loop shared by train-deep and train-nested: a fixed batch order per epoch (so a resumed
     run continues the same way), warm-up + cosine learning rate, clipping, a checkpoint every
-    ``checkpoint_every`` steps, stop at ``epochs`` or ``minutes``. ``step_loss(conversation indices)`` ->
-    (loss, metrics). Returns (step, history, start time, total steps)."""
+    ``checkpoint_every`` steps, stop at ``epochs`` or ``minutes``; the matmuls in ``cfg.precision``.
+    ``step_loss(conversation indices)`` -> (loss, metrics). Returns (step, history, start time, total steps, steps the
+    learning-rate schedule spanned).
+
+    With a time box and ``fit_schedule``, the cosine ends with the time box: from FIT_AFTER steps on, the pace so far
+    (timed from the run's second step) gives the steps that fit, and the schedule spans those (at most ``epochs``'
+    worth) instead of the epochs' steps a time box would cut off at a high learning rate. It is refitted every step,
+    so a pace that drifts (a first epoch's slower steps, a busier machine) still ends the cosine at the time box.
+    A checkpoint keeps the schedule's length for a resumed run to start from."""
     per_epoch = len(_batches(train, cfg.batch_tokens, cfg.seed, 0))
     total = max(1, int(per_epoch * cfg.epochs))
+    cast = autocast_dtype(cfg.precision)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    schedule = total  # steps the learning-rate schedule spans
     if step > 0:
-        opt.load_state_dict(torch.load(ckpt)["opt"])
+        state = torch.load(ckpt)
+        opt.load_state_dict(state["opt"])
+        schedule = state.get("schedule", total)
     bar = progress(total=total, initial=step, desc=desc, unit="step")
     t0, seen = time.perf_counter(), 0
     order: tuple[int, list[list[int]]] = (-1, [])
     budget = cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
+    fit = cfg.fit_schedule and cfg.minutes > 0
+    paced: tuple[int, float] | None = None  # (step, time) after this run's first step: the pace is timed from there
     while step < total and time.perf_counter() - t0 < budget:
         epoch, within = divmod(step, per_epoch)
         if epoch != order[0]:  # the epoch's batch order, drawn once
             order = (epoch, _batches(train, cfg.batch_tokens, cfg.seed, epoch))
         for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, total, cfg.lr, cfg.warmup, floor=0.05)
+            g["lr"] = cosine_lr(step, schedule, cfg.lr, cfg.warmup, floor=0.05)
         # another epoch's order can pack into a batch or two fewer than epoch 0's (whose count sets the schedule)
-        loss, m = step_loss(order[1][within % len(order[1])])
+        with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
+            loss, m = step_loss(order[1][within % len(order[1])])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         step += 1
         seen += m["tokens"]
-        history.append({"step": step, "loss": float(loss.detach()), **m})
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tok_s=f"{seen / (time.perf_counter() - t0):.0f}",
+        now = time.perf_counter()
+        if fit and paced is None:
+            paced = (step, now)
+        elif fit and paced is not None and step - paced[0] >= FIT_AFTER:  # refitted every step: the pace may drift
+            schedule = fitted_schedule(step, (now - paced[1]) / (step - paced[0]), budget - (now - t0), total)
+        history.append({"step": step, "loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"], **m})
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tok_s=f"{seen / (now - t0):.0f}",
                         **{k: f"{v:.2f}" for k, v in m.items() if k.startswith("top1")})
         bar.update()
         if step % cfg.checkpoint_every == 0 or step == total:
             tmp = ckpt.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history}, tmp)
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
+                        "schedule": schedule}, tmp)
             os.replace(tmp, ckpt)
     bar.close()
-    return step, history, t0, total
+    return step, history, t0, total, schedule
 
 
 def save_trained(head: DeepContextHead, split: SplitModel, vocab_ids: torch.Tensor | None, out: Path,
@@ -305,12 +360,13 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
         batch = _collate(train, idx, cfg.exit_layer, label_map, cfg.assistant_only, context_layers)
         return deep_loss(head, lm_rows, batch, cfg)
 
-    step, history, t0, total = train_steps(head, train, cfg, ckpt, step, history, step_loss,
+    step, history, t0, total, schedule = train_steps(head, train, cfg, ckpt, step, history, step_loss,
                                            f"train deep head @ layer {cfg.exit_layer}")
     head.eval().requires_grad_(False)
     after = {d: evaluate_deep(head, lm_rows, fs, cfg, label_map) for d, fs in held_sets.items()}
     first = next(iter(held_sets), "")  # heldout_before / _after: the first set ("": none); heldout_sets: every one
-    report = {"config": asdict(cfg), "steps": step, "total_steps": total, "train_tokens": train.num_tokens,
+    report = {"config": asdict(cfg), "steps": step, "total_steps": total, "schedule_steps": schedule,
+              "autocast": str(autocast_dtype(cfg.precision) or "none"), "train_tokens": train.num_tokens,
               "train_conversations": len(train), "heldout_before": before.get(first), "heldout_after": after.get(first),
               "heldout_sets": {d: {"before": before.get(d), "after": after[d]} for d in held_sets},
               "seconds": round(time.perf_counter() - t0, 1)}

@@ -137,7 +137,7 @@ def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[Nested
         batches = {d: _collate(train, idx, d, label_map, cfg.assistant_only) for d in depths}
         return nested_loss(head, lm_rows, batches, cfg, gen)
 
-    step, history, t0, total = train_steps(head, train, cfg, ckpt, step, history, step_loss,
+    step, history, t0, total, _ = train_steps(head, train, cfg, ckpt, step, history, step_loss,
                                            f"train nested head @ depths {depths}")
     head.eval().requires_grad_(False)
     after = evaluate()

@@ -9,7 +9,7 @@ was cut off; the shares are of ``minutes``):
     features-*         teacher-forced target features: ShareGPT text (share 0.08), the own answers
                        (share 0.12), and both held-out sets
     train              train-deep over ShareGPT + own answers (counted twice), the draft vocabulary at the
-                       largest candidate size                                        (share 0.30)
+                       largest candidate size; bf16 matmuls where native, the cosine fitted to the share (0.36)
     vocab              VocabTrim sized by measurement: for each candidate size, held-out acceptance
                        (teacher-forced, first and later draft positions) and the measured cost of the
                        head with that many output rows -> the predicted speed-up; the best size is kept
@@ -49,7 +49,7 @@ from selfspec.train.deep import DeepTrainConfig, evaluate_deep, label_order, tra
 from selfspec.train.features import FeatureConfig, collect_features, load_exit_features, load_features
 from selfspec.train.sharegpt import iter_records
 
-SHARES = {"answers-train": 0.28, "features-train": 0.08, "features-own-train": 0.12, "train": 0.30}
+SHARES = {"answers-train": 0.28, "features-train": 0.08, "features-own-train": 0.12, "train": 0.36}
 
 
 @dataclass
