@@ -156,6 +156,9 @@ def test_a_head_replaced_in_the_same_directory_is_calibrated_again(tmp_path):
     assert len(sizes) == 1 and keys[0][0] != keys[1][0] and keys[0][1]["head"]["id"] != keys[1][1]["head"]["id"]
     again = load_head(tmp_path / "head", ss.split)
     assert tuning_key(ss.split, again) == keys[1][0]  # unchanged head, unchanged key
+    (tmp_path / "sub").mkdir()
+    relative = load_head(tmp_path / "sub" / ".." / "head", ss.split)  # another path to the same head: the same keys
+    assert tuning_key(ss.split, relative) == keys[1][0] and cost_key(ss.split, relative, 2) == keys[1][1]
 
 
 def test_an_entry_with_a_shallow_pass_dearer_than_a_step_is_measured_again(counted):

@@ -78,14 +78,14 @@ def model_fingerprint(split: SplitModel) -> dict[str, Any]:
 
 
 def head_identity(head: Any) -> str:
-    """What tells one trained head from another in the calibration caches: its directory, the weights' size and a
-    digest of its ``head_config.json`` (which records its exit layer, draft vocabulary and training), so a head
-    retrained or replaced in the same directory (a new bundled head) is calibrated again. Without a directory:
-    kind and exit layer."""
+    """What tells one trained head from another in the calibration caches: its directory (resolved: a relative and an
+    absolute path to one head are one head), the weights' size and a digest of its ``head_config.json`` (which
+    records its exit layer, draft vocabulary and training), so a head retrained or replaced in the same directory (a
+    new bundled head) is calibrated again. Without a directory: kind and exit layer."""
     if not head.source:
         return f"{head.kind}@{head.exit_layer}"
-    where = Path(head.source)
-    out = str(head.source)
+    where = Path(head.source).resolve()
+    out = str(where)
     if (where / WEIGHTS_NAME).is_file():
         out += f"#{(where / WEIGHTS_NAME).stat().st_size}"
     if (where / CONFIG_NAME).is_file():
