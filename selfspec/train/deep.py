@@ -211,8 +211,8 @@ def bf16_native() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX: oneDNN's bf16 GEMM then runs at about
     twice its float32 speed; measured 351 vs 188 GFLOP/s on the AMD EPYC Zen 5 of docs/TRAINING.md). Elsewhere bf16
     is emulated and no faster."""
-    flags = set(cpu_flags().split())
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported() and bool(flags & {"avx512_bf16", "amx_bf16"})
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # absent from builds without oneDNN
+    return bool(supported is not None and supported() and set(cpu_flags().split()) & {"avx512_bf16", "amx_bf16"})
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
