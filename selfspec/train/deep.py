@@ -37,6 +37,8 @@ from selfspec.train.cli import load_target
 from selfspec.train.features import FeatureSet, load_exit_features
 from selfspec.train.trainer import cosine_lr
 
+PRECISIONS = ("auto", "float32", "bfloat16")  # DeepTrainConfig.precision
+
 
 @dataclass
 class DeepTrainConfig:
@@ -70,7 +72,7 @@ class DeepTrainConfig:
     precision: str = opt("auto", "Matmul precision of training: 'float32'; 'bfloat16' (autocast: the head's matmuls in "
                          "bf16, its weights, optimizer, losses and held-out evaluation in float32); 'auto': bfloat16 where "
                          "this CPU multiplies bf16 natively (AVX-512 BF16, AMX), float32 elsewhere.",
-                         choices=["auto", "float32", "bfloat16"])
+                         choices=list(PRECISIONS))
     fit_schedule: bool = opt(True, "With --minutes: the cosine learning-rate schedule ends when the time box does (its "
                              "length in steps refitted every step from the pace so far) instead of being cut off partway through --epochs.")
     checkpoint_every: int = opt(100, "Write a checkpoint every this many steps.")
@@ -203,7 +205,6 @@ def resume(head: torch.nn.Module, ckpt: Path, cfg: DeepTrainConfig) -> tuple[int
     return 0, []
 
 
-PRECISIONS = ("auto", "float32", "bfloat16")  # DeepTrainConfig.precision
 FIT_AFTER = 10  # steps timed (after the first) before a time-boxed run fits its schedule to the time box
 
 

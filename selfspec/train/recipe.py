@@ -20,7 +20,8 @@ was cut off; the shares are of ``minutes``):
 
 The result: ``<out>/head`` (a head directory: ``--head <out>/head``) and ``<out>/report.json``.
 ``--init DIR`` fine-tunes an existing deep head on the run's data instead of starting from layer k (more data
-for a head that exists); ``--exit-layer 0`` trains a head that drafts from the token embeddings alone.
+for a head that exists). The head drafts from the token embeddings alone (``--exit-layer 0``, the default: no
+target layer in a draft); ``--exit-layer k`` makes it read the states after the target's first k layers.
 """
 
 from __future__ import annotations
