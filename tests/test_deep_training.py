@@ -289,6 +289,7 @@ def test_train_recipe_end_to_end_resumes_and_its_head_decodes_losslessly(sharegp
     for when in ("before", "after"):
         assert len(report["eval"][when]["acceptance_rate_per_position"]) == 3
     assert report["train"]["steps"] > 0 and report["data"]["answers-train"]["answers"] > 0
+    assert 0 < report["own_answers_used"] <= 1  # the share of the answers whose features were read
     head_dir = tmp_path / "run" / "head"
     from safetensors import safe_open
 
