@@ -156,6 +156,31 @@ def test_train_deep_in_bfloat16_learns_and_a_time_box_fits_its_schedule(sharegpt
         autocast_dtype("fp16")
 
 
+def test_a_resumed_time_box_is_the_whole_runs_not_a_fresh_one(sharegpt_file, tmp_path):
+    """Answers, features and training are time-boxed; rerunning a run whose box is spent (as the recipe does after
+    a kill) continues with the minutes left, here none: no more answers, conversations or steps (before, each
+    rerun got a whole box again, so a killed recipe ran past its 45 minutes)."""
+    from selfspec.train.answers import AnswerConfig, answer_prompts
+
+    ss, feats = collected_features(sharegpt_file, tmp_path, "2")
+    acfg = AnswerConfig(out=str(tmp_path / "own.json"), source=str(sharegpt_file), max_new_tokens=8, batch=2,
+                        minutes=1e-5)
+    made = answer_prompts(ss, acfg)
+    assert 0 < made["answers"] < 30
+    again = answer_prompts(ss, acfg)
+    assert again["answers"] == made["answers"] and again["new_tokens"] == made["new_tokens"]
+    assert again["seconds"] >= made["seconds"]  # the whole run's seconds
+    fcfg = FeatureConfig(out=str(tmp_path / "g"), source=str(sharegpt_file), layers="2", max_tokens=96, minutes=1e-5)
+    read = collect_features(ss.split, ss.tokenizer, fcfg)["conversations"]
+    assert 0 < read < 30 and collect_features(ss.split, ss.tokenizer, fcfg)["conversations"] == read
+    cfg = DeepTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=2, out=str(tmp_path / "h"),
+                          epochs=10_000, batch_tokens=400, lr=5e-3, warmup=2, vocab_trim=40, minutes=0.005,
+                          checkpoint_every=1, precision="float32")
+    _, rep = train_deep_head(ss.split, cfg)
+    _, rerun = train_deep_head(ss.split, cfg)
+    assert 0 < rep["steps"] <= rerun["steps"] <= rep["steps"] + 1 and rerun["seconds"] >= rep["seconds"]
+
+
 def test_a_fitted_schedule_spans_the_steps_that_fit():
     assert fitted_schedule(11, 6.3, 800.0, 560) == 11 + 126
     assert fitted_schedule(11, 1.0, 10_000.0, 560) == 560  # never past the epochs

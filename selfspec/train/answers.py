@@ -35,7 +35,7 @@ class AnswerConfig(ConversationSource):
     max_conversations: int = opt(0, "Answer at most this many (0: no limit).")
     max_prompt_chars: int = opt(1500, "Longest first turn, in characters (longer ones are cut).")
     max_new_tokens: int = opt(256, "Longest answer, in tokens (greedy).")
-    minutes: float = opt(0.0, "Stop after this many minutes (0: no limit); rerun to continue.")
+    minutes: float = opt(0.0, "Stop after this many minutes in all (0: no limit); a rerun continues with the minutes left.")
     batch: int = opt(8, "Prompts answered together (continuous batching; each answer equals its batch-1 greedy "
                      "output). On 2 cores a batch of 8 gives 2-3x the tokens per second of one at a time.")
 
@@ -57,13 +57,16 @@ def answer_prompts(ss: Any, cfg: AnswerConfig) -> dict[str, Any]:
             break
         if cid not in seen:
             todo.append((cid, msgs[0]["content"][: cfg.max_prompt_chars]))
+    ledger = out.with_suffix(".progress.json")  # seconds and tokens of earlier runs: the time box is the whole run's
+    spent = json.loads(ledger.read_text()) if ledger.is_file() and done else {"seconds": 0.0, "new_tokens": 0}
     tmp = out.with_suffix(".tmp")  # rewrite the complete records (drops a torn last one), then swap in:
     with open(tmp, "w", encoding="utf-8") as f:  # a run killed here loses nothing
         for i, rec in enumerate(done):
             _write(f, rec, i == 0)
     os.replace(tmp, out)
-    t0, budget = time.perf_counter(), cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
-    tokens = 0
+    t0 = time.perf_counter() - spent["seconds"]
+    budget = cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
+    tokens = spent["new_tokens"]
     bar = progress(total=len(done) + len(todo), initial=len(done), desc="own answers", unit="prompt")
     with open(out, "a", encoding="utf-8") as f:
         for i in range(0, len(todo), max(1, cfg.batch)):
@@ -82,6 +85,7 @@ def answer_prompts(ss: Any, cfg: AnswerConfig) -> dict[str, Any]:
                 _write(f, rec, not done)
                 done.append(rec)
                 bar.update()
+            ledger.write_text(json.dumps({"seconds": time.perf_counter() - t0, "new_tokens": tokens}))
         f.write("\n]\n" if done else "[]\n")
     bar.close()
     seconds = time.perf_counter() - t0

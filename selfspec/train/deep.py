@@ -61,7 +61,8 @@ class DeepTrainConfig:
     vocab_trim: int = opt(8192, "Draft vocabulary: the N most frequent target labels in the training data (0: all).")
     assistant_only: bool = opt(False, "Train only on positions inside assistant turns.")
     max_tokens: int = opt(0, "Use at most this many training tokens (0: all stored).")
-    minutes: float = opt(0.0, "Stop training after this many minutes (0: no limit); the head is saved either way.")
+    minutes: float = opt(0.0, "Stop training after this many minutes in all (0: no limit; a resumed run has the minutes left); "
+                      "the head is saved either way.")
     seed: int = opt(0, "Seed of the batch order and the head's initialization.")
     init: str = opt("", "Start from this trained deep head's weights (fine-tuning) instead of the target's layer k; "
                     "it may come from another exit layer (the weights fit; its input changes).")
@@ -244,18 +245,23 @@ def train_steps(head: torch.nn.Module, train: FeatureSet, cfg: DeepTrainConfig, 
     (timed from the run's second step) gives the steps that fit, and the schedule spans those (at most ``epochs``'
     worth) instead of the epochs' steps a time box would cut off at a high learning rate. It is refitted every step,
     so a pace that drifts (a first epoch's slower steps, a busier machine) still ends the cosine at the time box.
-    A checkpoint keeps the schedule's length for a resumed run to start from."""
+    A checkpoint keeps the schedule's length and the seconds trained so far for a resumed run to start from: the
+    time box is the whole training's, so a run killed and resumed trains ``minutes`` in all (plus the steps after its
+    last checkpoint, which are done again), not ``minutes`` more. The returned start time is the whole run's."""
     per_epoch = len(_batches(train, cfg.batch_tokens, cfg.seed, 0))
     total = max(1, int(per_epoch * cfg.epochs))
     cast = autocast_dtype(cfg.precision)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = total  # steps the learning-rate schedule spans
+    spent = 0.0  # seconds earlier runs trained (up to their last checkpoint): the time box counts them
     if step > 0:
         state = torch.load(ckpt)
         opt.load_state_dict(state["opt"])
         schedule = state.get("schedule", total)
+        spent = float(state.get("seconds", 0.0))
     bar = progress(total=total, initial=step, desc=desc, unit="step")
-    t0, seen = time.perf_counter(), 0
+    start, seen = time.perf_counter(), 0
+    t0 = start - spent  # the run's clock: a resumed run continues the killed one's time box, not a fresh one
     order: tuple[int, list[list[int]]] = (-1, [])
     budget = cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
     fit = cfg.fit_schedule and cfg.minutes > 0
@@ -281,13 +287,13 @@ def train_steps(head: torch.nn.Module, train: FeatureSet, cfg: DeepTrainConfig, 
         elif fit and paced is not None and step - paced[0] >= FIT_AFTER:  # refitted every step: the pace may drift
             schedule = fitted_schedule(step, (now - paced[1]) / (step - paced[0]), budget - (now - t0), total)
         history.append({"step": step, "loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"], **m})
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tok_s=f"{seen / (now - t0):.0f}",
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tok_s=f"{seen / (now - start):.0f}",
                         **{k: f"{v:.2f}" for k, v in m.items() if k.startswith("top1")})
         bar.update()
         if step % cfg.checkpoint_every == 0 or step == total:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                        "schedule": schedule}, tmp)
+                        "schedule": schedule, "seconds": now - t0}, tmp)
             os.replace(tmp, ckpt)
     bar.close()
     return step, history, t0, total, schedule

@@ -46,7 +46,7 @@ class FeatureConfig(ConversationSource):
     max_tokens: int = opt(512, "Longest conversation prefix, in tokens.")
     max_turns: int = opt(4, "Most chat turns per conversation.")
     max_conversations: int = opt(0, "Stop after this many conversations (0: no limit).")
-    minutes: float = opt(0.0, "Stop after this many minutes (0: no limit); rerun to continue.")
+    minutes: float = opt(0.0, "Stop after this many minutes in all (0: no limit); a rerun continues with the minutes left.")
     shard_tokens: int = opt(50_000, "Tokens per shard file.")
 
 
@@ -115,7 +115,8 @@ def collect_features(split: Any, tokenizer: Any, cfg: FeatureConfig) -> dict[str
     convs = cfg.conversations(cfg.max_turns)
     for _ in range(prog["conversations"]):  # resume: skip what earlier runs stored (after cfg.skip)
         next(convs, None)
-    t0, budget = time.perf_counter(), cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
+    # the time box is the whole collection's: a resumed run has what earlier runs spent (up to their last shard) left
+    t0, budget = time.perf_counter(), cfg.minutes * 60 - prog["seconds"] if cfg.minutes > 0 else float("inf")
     parts: list[dict[str, torch.Tensor]] = []
     pending_convs = 0
     bar = progress(total=cfg.max_conversations or None, initial=prog["conversations"], desc="target features", unit="conv")
@@ -127,7 +128,7 @@ def collect_features(split: Any, tokenizer: Any, cfg: FeatureConfig) -> dict[str
             prog["shards"] += 1
             prog["conversations"] += pending_convs
             prog["tokens"] += sum(len(p["label"]) for p in parts)
-            prog["seconds"] = round(prog["seconds"] + time.perf_counter() - last[0], 1)
+            prog["seconds"] = prog["seconds"] + time.perf_counter() - last[0]  # unrounded: the time box reads it
             last[0] = time.perf_counter()
             prog_path.write_text(json.dumps(prog, indent=1))
         parts, pending_convs = [], 0

@@ -130,7 +130,7 @@ def _features(ss: SelfSpec, run: Run, source: str, split: str, out: str, **kw: A
     cfg = FeatureConfig(source=source, split=split, heldout=run.cfg.heldout, exclude=run.cfg.exclude, out=out,
                         layers=str(run.cfg.exit_layer), **kw)
     rep = collect_features(ss.split, ss.tokenizer, cfg)
-    return {k: rep[k] for k in ("conversations", "tokens", "seconds")}
+    return {"conversations": rep["conversations"], "tokens": rep["tokens"], "seconds": round(rep["seconds"], 1)}
 
 
 def size_vocab(ss: SelfSpec, head_dir: str, train_cfg: DeepTrainConfig, sizes: list[int]) -> dict[str, Any]:
