@@ -181,6 +181,38 @@ def test_a_resumed_time_box_is_the_whole_runs_not_a_fresh_one(sharegpt_file, tmp
     assert 0 < rep["steps"] <= rerun["steps"] <= rep["steps"] + 1 and rerun["seconds"] >= rep["seconds"]
 
 
+def test_soft_labels_are_the_targets_distribution_and_train_a_head(sharegpt_file, tmp_path):
+    """``--soft-weight``: the classification loss reads the target's own distribution over the draft vocabulary,
+    computed from the stored final states and those LM-head rows (the full softmax's, renormalized over the rows);
+    a head trained on soft labels alone learns the target's argmax and decodes losslessly."""
+    from selfspec.train.deep import target_probs
+
+    ss, feats = collected_features(sharegpt_file, tmp_path, "2")
+    fs = load_features(feats.out)
+    rows = torch.tensor([5, 9, 17, 30, 2])
+    final = fs.tensors["final"][:6].float()
+    with torch.inference_mode():
+        full = ss.split.logits(final[None])[0].softmax(-1)[:, rows]
+    torch.testing.assert_close(target_probs(ss.split, final, ss.split.lm_rows(rows)), full / full.sum(-1, keepdim=True))
+    cfg = DeepTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=2, out=str(tmp_path / "s"),
+                          epochs=6, batch_tokens=400, lr=5e-3, warmup=2, vocab_trim=40, soft_weight=1.0)
+    _, report = train_deep_head(ss.split, cfg)
+    assert report["heldout_after"]["top1"] > report["heldout_before"]["top1"] + 0.1
+    ss.set_draft(DraftConfig(head=cfg.out, gamma=3, lookup=0))
+    prompt = ss.encode([{"role": "user", "content": "the cat sat on"}])
+    assert ss.generate(prompt, max_new_tokens=20).token_ids == hf_greedy(ss.model, prompt, 20)
+    from selfspec.train.nested import NestedTrainConfig, train_nested_head
+
+    first_loss = {}  # the nested head's loss reads them too
+    for w in (0.0, 1.0):
+        nested = NestedTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / f"n{w}"), "depths": "2", "epochs": 3,
+                                      "soft_weight": w})
+        _, rep = train_nested_head(ss.split, nested)
+        assert rep["heldout_after"][feats.out][2]["top1"] > rep["heldout_before"][feats.out][2]["top1"] + 0.1
+        first_loss[w] = json.loads((tmp_path / f"n{w}" / "train_report.json").read_text())["history"][0]["loss"]
+    assert first_loss[0.0] != pytest.approx(first_loss[1.0])  # the same first batch and weights, another loss
+
+
 def test_a_fitted_schedule_spans_the_steps_that_fit():
     assert fitted_schedule(11, 6.3, 800.0, 560) == 11 + 126
     assert fitted_schedule(11, 1.0, 10_000.0, 560) == 560  # never past the epochs

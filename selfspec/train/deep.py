@@ -58,6 +58,9 @@ class DeepTrainConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     unroll_weight: float = opt(0.5, "Weight of pass 2's CE (the head reading its own predicted features).")
     reg_weight: float = opt(1.0, "Weight of the feature regression MSE(rms(f^), rms(f)).")
+    soft_weight: float = opt(0.0, "Weight of the soft labels in the classification loss: cross-entropy against the target's own "
+                             "distribution over the draft vocabulary (from the stored final states, EAGLE's p), the hard "
+                             "label's (the target's argmax) getting 1 - this.")
     vocab_trim: int = opt(8192, "Draft vocabulary: the N most frequent target labels in the training data (0: all).")
     assistant_only: bool = opt(False, "Train only on positions inside assistant turns.")
     max_tokens: int = opt(0, "Use at most this many training tokens (0: all stored).")
@@ -146,14 +149,21 @@ def deep_loss(head: DeepFeatures, lm_rows: torch.Tensor, batch: dict[str, torch.
     f1 = head.features(h, ctx, pos)
     logits1 = (head.norm_out(f1)[valid] @ lm_rows.T).float()  # [n, vocab_trim] (float32 losses under autocast)
     ce1 = F.cross_entropy(logits1, labels[valid])
+    soft = batch.get("soft")  # [n, vocab_trim] the target's probabilities at the valid positions (training only)
+
+    def classify(logits: torch.Tensor, ce: torch.Tensor) -> torch.Tensor:  # the hard CE, mixed with the soft one
+        if soft is None or cfg.soft_weight <= 0:
+            return ce
+        return (1 - cfg.soft_weight) * ce - cfg.soft_weight * (soft * logits.log_softmax(-1)).sum(-1).mean()
+
     reg = F.mse_loss(_rms(f1.float()), _rms(final))
-    loss, m = ce1 + cfg.reg_weight * reg, {}
+    loss, m = classify(logits1, ce1) + cfg.reg_weight * reg, {}
     m["top1"] = float((logits1.argmax(-1) == labels[valid]).float().mean())
     if cfg.unroll_weight > 0:
         ctx2 = torch.cat([ctx[:, :1, : f1.shape[-1]], f1[:, :-1]], dim=1)  # draft positions: f^ only
         logits2 = (head.norm_out(head.features(h, ctx2, pos))[valid] @ lm_rows.T).float()
         ce2 = F.cross_entropy(logits2, labels[valid])
-        loss = loss + cfg.unroll_weight * ce2
+        loss = loss + cfg.unroll_weight * classify(logits2, ce2)
         m["top1_unrolled"] = float((logits2.argmax(-1) == labels[valid]).float().mean())
         m["ce2"] = float(ce2.detach())
     m.update(ce=float(ce1.detach()), reg=float(reg.detach()), tokens=int(valid.sum()))
@@ -323,6 +333,17 @@ def vocab_label_map(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return label_map
 
 
+@torch.no_grad()
+def target_probs(split: SplitModel, final: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+    """The target's next-token distribution over the draft vocabulary ``# [n, vocab_trim]`` from its final states
+    ``# [n, hidden]`` (as stored: before the final norm) and those rows of its LM head, in float32."""
+    with torch.autocast("cpu", enabled=False):
+        logits = split.final_norm(final.float()) @ lm_rows.T
+        if split.softcap is not None:
+            logits = torch.tanh(logits / split.softcap) * split.softcap
+        return logits.softmax(-1)
+
+
 def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContextHead, dict[str, Any]]:
     key, context_layers = f"h{cfg.exit_layer}", _context_layers(cfg)
     extra = [f"h{c}" for c in context_layers]
@@ -365,6 +386,8 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
 
     def step_loss(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         batch = _collate(train, idx, cfg.exit_layer, label_map, cfg.assistant_only, context_layers)
+        if cfg.soft_weight > 0:
+            batch["soft"] = target_probs(split, batch["final"][batch["labels"] >= 0], lm_rows)
         return deep_loss(head, lm_rows, batch, cfg)
 
     step, history, t0, total, schedule = train_steps(head, train, cfg, ckpt, step, history, step_loss,

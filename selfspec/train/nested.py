@@ -34,6 +34,7 @@ from selfspec.train.deep import (
     label_order,
     resume,
     save_trained,
+    target_probs,
     train_steps,
     vocab_label_map,
 )
@@ -135,6 +136,11 @@ def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[Nested
 
     def step_loss(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         batches = {d: _collate(train, idx, d, label_map, cfg.assistant_only) for d in depths}
+        if cfg.soft_weight > 0:  # one distribution per position: every depth predicts the same token
+            first = batches[depths[0]]
+            soft = target_probs(split, first["final"][first["labels"] >= 0], lm_rows)
+            for batch in batches.values():
+                batch["soft"] = soft
         return nested_loss(head, lm_rows, batches, cfg, gen)
 
     step, history, t0, total, _ = train_steps(head, train, cfg, ckpt, step, history, step_loss,
