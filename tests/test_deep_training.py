@@ -211,6 +211,8 @@ def test_soft_labels_are_the_targets_distribution_and_train_a_head(sharegpt_file
         assert rep["heldout_after"][feats.out][2]["top1"] > rep["heldout_before"][feats.out][2]["top1"] + 0.1
         first_loss[w] = json.loads((tmp_path / f"n{w}" / "train_report.json").read_text())["history"][0]["loss"]
     assert first_loss[0.0] != pytest.approx(first_loss[1.0])  # the same first batch and weights, another loss
+    with pytest.raises(InvalidConfigError, match=r"soft_weight must be in \[0, 1\]"):
+        train_deep_head(ss.split, replace(cfg, out=str(tmp_path / "bad"), soft_weight=1.5))
 
 
 def test_a_fitted_schedule_spans_the_steps_that_fit():

@@ -82,6 +82,10 @@ class DeepTrainConfig:
     checkpoint_every: int = opt(100, "Write a checkpoint every this many steps.")
     resume: bool = opt(True, "Continue from <out>.checkpoint.pt when it exists.")
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.soft_weight <= 1.0:
+            raise InvalidConfigError(f"soft_weight must be in [0, 1] (the soft labels' share of the loss), got {self.soft_weight}")
+
 
 def _batches(fs: FeatureSet, batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
     order = torch.randperm(len(fs), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
