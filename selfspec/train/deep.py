@@ -153,10 +153,11 @@ def deep_loss(head: DeepFeatures, lm_rows: torch.Tensor, batch: dict[str, torch.
     f1 = head.features(h, ctx, pos)
     logits1 = (head.norm_out(f1)[valid] @ lm_rows.T).float()  # [n, vocab_trim] (float32 losses under autocast)
     ce1 = F.cross_entropy(logits1, labels[valid])
-    soft = batch.get("soft")  # [n, vocab_trim] the target's probabilities at the valid positions (training only)
+    # [n, vocab_trim] the target's probabilities at the valid positions: set by training when cfg.soft_weight > 0
+    soft = batch.get("soft")
 
     def classify(logits: torch.Tensor, ce: torch.Tensor) -> torch.Tensor:  # the hard CE, mixed with the soft one
-        if soft is None or cfg.soft_weight <= 0:
+        if soft is None:
             return ce
         return (1 - cfg.soft_weight) * ce - cfg.soft_weight * (soft * logits.log_softmax(-1)).sum(-1).mean()
 
