@@ -153,6 +153,13 @@ class DraftConfig:
         "whole context). Bounds what a short answer to a long prompt pays for its first draft (Qwen 0.5B, rag: "
         "decoding 1.05x -> 1.34x plain at 32, docs/BENCHMARKS.md). None: every row.",
     )
+    price_blanks: bool = opt(
+        True,
+        "Thompson policies with a confidence stop: learn how often a round ends blank (the head ran and its first "
+        "draft was refused: a plain step's tokens for a plain step plus the head) and price rounds with it, so a "
+        "request whose drafts seldom clear the stop stops running the head (docs/ADAPTIVE.md). False: blank rounds "
+        "teach the policy nothing (before the twenty-ninth session).",
+    )
     explore: bool = opt(
         False,
         "When the self-tuning calibration finds that no early-exit draft pays on this machine (its draft cap is "

@@ -93,6 +93,37 @@ def test_thompson_defers_to_the_confidence_stop():
     assert p.keep(0, 0.9) and not p.keep(0, 0.2) and p.needs_confidence
 
 
+def test_thompson_prices_blank_rounds_and_stops_running_a_head_the_confidence_stop_refuses():
+    """A round whose first draft the confidence stop refuses is blank: the head ran for nothing. Priced (the
+    default), a request where 1 round in 10 passes stops running the head; unpriced, blank rounds teach the
+    policy nothing and it runs the head every round. Where every round passes, pricing costs no drafting."""
+    def head_rounds(pass_rate: float, price: bool) -> int:
+        p = ThompsonPolicy(ConfidencePolicy(0.5), costs(0.3), prior=0.5, price_blanks=price).for_request(0)
+        g = torch.Generator().manual_seed(1)
+        ran = 0
+        for _ in range(200):
+            if p.max_drafts(4) == 0:
+                p.observe(0, 0)  # a plain step: the head did not run, nothing learned about passing
+                continue
+            ran += 1
+            passed = float(torch.rand(1, generator=g)) < pass_rate
+            if not p.keep(0, 0.9 if passed else 0.1):
+                p.observe(0, 0)  # blank
+                continue
+            p.observe(1, int(float(torch.rand(1, generator=g)) < 0.6))
+        return ran
+
+    assert head_rounds(0.1, price=True) < 0.3 * head_rounds(0.1, price=False)
+    assert head_rounds(0.1, price=False) > 120
+    assert head_rounds(1.0, price=True) >= 0.9 * head_rounds(1.0, price=False) > 150
+    p = ThompsonPolicy(ConfidencePolicy(0.5), costs(), prior=0.5).for_request(0)
+    p.cap = 1  # max_drafts chose a draft, the stop refused it: blank
+    p.observe(0, 0)
+    p.observe(0, 0)  # a verdict without a max_drafts before it (the drafter skipped the policy): not a blank
+    assert (p.passes, p.blanks) == (1.4, 1.6)
+    assert ThompsonPolicy(FixedPolicy(), costs()).draw_pass() == 1.0  # no confidence stop: no blank rounds
+
+
 def test_depth_bandit_prefers_the_depth_that_pays():
     cheap_bad = ThompsonPolicy(FixedPolicy(), costs(0.05), prior=0.05, strength=50.0)
     dear_good = ThompsonPolicy(FixedPolicy(), costs(0.15), prior=0.9, strength=50.0)

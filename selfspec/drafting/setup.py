@@ -130,7 +130,8 @@ def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold:
     shaped = {d: replace(c, tree_width=draft.tree_width) if draft.tree_width > 1 else c for d, c in costs.items()}
     k = head.exit_layer
     if thompson:
-        arms = {d: ThompsonPolicy(base, shaped[d], tuning.prior(d) if tuning else 0.35) for d in shaped}
+        arms = {d: ThompsonPolicy(base, shaped[d], tuning.prior(d) if tuning else 0.35,
+                                  price_blanks=draft.price_blanks) for d in shaped}
         policy = DepthBandit(arms, k) if draft.depth_policy == "bandit" and len(arms) > 1 else arms[k]
     else:
         policy = CostAwarePolicy(base, shaped[k])
