@@ -211,7 +211,7 @@ class Engine:
         while stats.new_tokens < gen.max_new_tokens:
             remaining = gen.max_new_tokens - stats.new_tokens
             log = self.round_log  # a list: the round is timed and classified (bench-rounds)
-            before, t = (round_marks(stats), time.perf_counter()) if log is not None else ((0, 0, 0), 0.0)
+            before, t = (round_marks(stats), time.perf_counter()) if log is not None else ((0, 0, 0, 0), 0.0)
             block, _ = core.cut(self.round(seq, gen, remaining, stats), remaining)
             if log is not None:
                 log.append(round_record(gen.method, before, stats, time.perf_counter() - t))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 LOOKUP_SOURCES = ("lookup", "store")  # draft sources that copy earlier text (the request's own, or a token store's)
+BLANK = "blank"  # a block's source when the head ran for the first draft and the confidence stop refused it
 
 
 @dataclass
@@ -28,6 +29,7 @@ class GenerationStats:
     exit_compared: int = 0  # lossy SpecEE: early-exit tokens whose full-model choice became known
     exit_agreed: int = 0  # ... and equalled what the exit emitted (greedy)
     draft_depths: dict[int, int] = field(default_factory=dict)  # exit depth -> draft rounds from it (early exit, trees)
+    blank_steps: int = 0  # steps whose head ran for a first draft the confidence stop refused (a plain step's token)
     prefill_time: float = 0.0  # seconds, prompt forward and first token
     wall_time: float = 0.0  # seconds, whole generation (prefill included)
 
@@ -50,6 +52,7 @@ class GenerationStats:
 
     def record_step(self, proposed: int, accepted: int, source: str = "early_exit") -> None:
         self.steps += 1
+        self.blank_steps += source == BLANK
         if source in LOOKUP_SOURCES:
             self.lookup_steps += 1
             self.lookup_proposed += proposed
@@ -81,6 +84,7 @@ class GenerationStats:
         self.store_steps += other.store_steps
         self.store_proposed += other.store_proposed
         self.store_accepted += other.store_accepted
+        self.blank_steps += other.blank_steps
         self.accept_lengths += other.accept_lengths
         self.exit_layers += other.exit_layers
         self.predictor_checks += other.predictor_checks
@@ -116,6 +120,7 @@ class GenerationStats:
                if self.lookup_steps else "")
             + (f" (token store: {self.store_steps} steps, {self.store_accepted}/{self.store_proposed})"
                if self.store_steps else "")
+            + (f", {self.blank_steps} blank steps (the head's first draft refused)" if self.blank_steps else "")
             + (f", {self.cached_tokens} of {self.prompt_tokens} prompt tokens from the prefix cache"
                if self.cached_tokens else "")
             + (f", mean exit layer {self.mean_exit_layer:.1f}, predictors {self.predictor_checks} checks "
@@ -132,27 +137,29 @@ class RoundRecord:
     """One decoding round as ``Engine.round_log`` records it (``selfspec bench-rounds``)."""
 
     method: str  # the request's method ('plain', 'selfspec', ...)
-    kind: str  # 'plain step' (the plain method), 'no draft', 'head' (early-exit chain or tree) or 'lookup'
+    kind: str  # 'plain step' (the plain method), 'no draft', 'blank' (the head ran, its draft refused), 'head'
+    # (early-exit chain or tree) or 'lookup'
     drafted: int  # drafts proposed (a tree: its depth)
     accepted: int  # drafts accepted
     seconds: float  # wall time of the round (propose, verify, commit)
     prompt: int = -1  # which of a benchmark's prompts (bench-rounds sets it; -1: unknown)
 
 
-def round_marks(stats: GenerationStats) -> tuple[int, int, int]:
-    """What ``round_record`` compares after a round: (steps, lookup steps, drafts proposed so far)."""
-    return stats.steps, stats.lookup_steps, sum(stats.proposed_per_position) + stats.lookup_proposed
+def round_marks(stats: GenerationStats) -> tuple[int, int, int, int]:
+    """What ``round_record`` compares after a round: (steps, lookup steps, drafts proposed, blank steps so far)."""
+    return stats.steps, stats.lookup_steps, sum(stats.proposed_per_position) + stats.lookup_proposed, stats.blank_steps
 
 
-def round_record(method: str, before: tuple[int, int, int], stats: GenerationStats, seconds: float) -> RoundRecord:
+def round_record(method: str, before: tuple[int, int, int, int], stats: GenerationStats,
+                 seconds: float) -> RoundRecord:
     """The round between ``before`` (``round_marks`` then) and now, from the stats it updated."""
-    steps, lookups, proposed = round_marks(stats)
+    steps, lookups, proposed, blanks = round_marks(stats)
     drafted = proposed - before[2]
     accepted = stats.accept_lengths[-1] - 1 if steps > before[0] and stats.accept_lengths else 0
     if method == "plain":
         kind = "plain step"
     elif drafted == 0:
-        kind = "no draft"
+        kind = "blank" if blanks > before[3] else "no draft"
     else:
         kind = "lookup" if lookups > before[1] else "head"
     return RoundRecord(method, kind, drafted, accepted, seconds)

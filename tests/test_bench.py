@@ -116,7 +116,8 @@ def test_run_writes_answer_files_manifest_and_table(tiny_ss, tmp_path):
         assert overall[name]["identical"] == 2, name
     assert "bound" in overall["selfspec-lm"] and "bound" not in overall["hf-prompt-lookup"]
     mix = overall["selfspec-lm"]["rounds"]  # where the steps came from, recorded per turn
-    assert mix["lookup"] + mix["head"] + mix["plain"] == pytest.approx(1.0) and "rounds" not in overall["plain"]
+    assert mix["lookup"] + mix["head"] + mix["blank"] + mix["plain"] == pytest.approx(1.0)
+    assert "rounds" not in overall["plain"]
     assert "Steps by draft source" in text
     assert json.loads((run / "divergences.json").read_text()) == []
     assert "### overall (2 questions)" in text and (run / "summary.md").read_text().strip() == text.strip()
@@ -156,7 +157,8 @@ def test_speedup_is_a_ratio_of_means_and_mal_pools_steps(tmp_path):
                    rounds=[{"lookup": 1, "depths": {"1": 1}, "store": 1, "store_proposed": 4, "store_accepted": 1},
                            {"lookup": 0, "depths": {"1": 1, "2": 1}}]),
             record(161, "translation", [20], [1.0], accepts=[[4] * 4 + [3]], drafts=[20]),  # 20 tok/s
-            record(241, "qa", [30], [1.0], accepts=[[1] * 29], drafts=[29], ids=[[7] * 30])]  # 30 tok/s
+            record(241, "qa", [30], [1.0], accepts=[[1] * 29], drafts=[29], ids=[[7] * 30],  # 30 tok/s
+                   rounds=[{"lookup": 0, "depths": {}, "blank": 10}])]  # 10 of its 29 steps blank, the rest plain
     for name, recs in (("hf", hf), ("fast", fast)):
         (answers / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (tmp_path / "manifest.json").write_text(json.dumps({
@@ -178,7 +180,9 @@ def test_speedup_is_a_ratio_of_means_and_mal_pools_steps(tmp_path):
     # 4 steps: 1 lookup, 3 early-exit rounds (two at depth 1, one at depth 2), no plain step
     depths = mt["rounds"].pop("depths")
     assert mt["rounds"].pop("store_acceptance") == pytest.approx(0.25)  # the lookup step drafted from a token store
-    assert mt["rounds"] == pytest.approx({"lookup": 0.25, "head": 0.75, "plain": 0.0, "store": 0.25})
+    assert mt["rounds"] == pytest.approx({"lookup": 0.25, "head": 0.75, "plain": 0.0, "blank": 0.0, "store": 0.25})
+    qa = s["groups"]["qa"]["fast"]["rounds"]
+    assert qa["blank"] == pytest.approx(10 / 29) and qa["plain"] == pytest.approx(19 / 29)
     assert depths == pytest.approx({"1": 2 / 3, "2": 1 / 3})
     assert "rounds" not in s["groups"]["mt_bench"]["hf"]
     assert list(s["groups"]) == ["mt_bench", "translation", "qa", "overall"]
@@ -357,6 +361,7 @@ def test_round_records_classify_each_kind():
     stats = GenerationStats()
     cases = [("plain", (0, 0, "early_exit"), ("plain step", 0, 0)),
              ("selfspec", (0, 0, "early_exit"), ("no draft", 0, 0)),
+             ("selfspec", (0, 0, "blank"), ("blank", 0, 0)),
              ("selfspec", (3, 1, "early_exit"), ("head", 3, 1)),
              ("selfspec", (2, 2, "lookup"), ("lookup", 2, 2)),
              ("selfspec", (4, 0, "early_exit"), ("head", 4, 0))]
@@ -389,7 +394,7 @@ def test_bench_rounds_records_every_round_and_changes_no_output(tiny_ss, tmp_pat
     assert sum(r["kind"] == "plain step" for r in recs) == 11 * len(questions)
     spec = [r for r in recs if r["method"] == "selfspec"]
     assert sum(r["accepted"] + 1 for r in spec) >= 11 * len(questions)
-    assert {r["kind"] for r in spec} <= {"no draft", "head", "lookup"} and any(r["drafted"] for r in spec)
+    assert {r["kind"] for r in spec} <= {"no draft", "blank", "head", "lookup"} and any(r["drafted"] for r in spec)
     s = res["summary"]
     assert sum(k["rounds"] for k in s["kinds"].values()) == len(spec)
     for k in s["kinds"].values():

@@ -117,6 +117,26 @@ def test_perfect_and_random_heads_bound_acceptance():
     assert sum(out.stats.accepted_per_position) / sum(out.stats.proposed_per_position) < 0.15
 
 
+def test_blank_rounds_are_counted_and_lossless():
+    """A confidence stop no draft clears (threshold 1: no random exit is that sure): every round runs the head for its first draft and refuses it, so every
+    step is blank (counted apart from plain steps and drafts, in the stats and in bench-rounds' kinds) and the
+    output is still transformers' greedy output."""
+    model = tiny_model("llama")
+    ss = SelfSpec(model, None, DraftConfig(exit_layer=2, head="lm", gamma=3, policy="confidence", threshold=1.0,
+                                           lookup=0))
+    prompt = prompt_of(9, 5)
+    log: list = []
+    ss.engine.round_log = log
+    out = ss.generate(prompt, max_new_tokens=NEW)
+    assert out.token_ids == hf_greedy(model, prompt, NEW)
+    # every step but the last, which has no room for a draft (one token to go): a plain step, the head not run
+    assert out.stats.steps == NEW - 1 and out.stats.blank_steps == NEW - 2 and sum(out.stats.proposed_per_position) == 0
+    assert [r.kind for r in log] == ["blank"] * (NEW - 2) + ["no draft"] and "blank steps" in out.stats.summary()
+    ss.set_draft(DraftConfig(exit_layer=2, head="lm", gamma=3, policy="confidence", threshold=0.0, lookup=0))
+    out = ss.generate(prompt, max_new_tokens=NEW)
+    assert out.stats.blank_steps == 0 and sum(out.stats.proposed_per_position) > 0
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_default_draft_config_is_lossless(arch):
     """DraftConfig()'s defaults (self-tuned, Thompson-sampled length per round, confidence stop) and the

@@ -87,7 +87,9 @@ class TurnResult:
     draft_tokens: int | None = None  # draft tokens proposed (selfspec kinds)
     prompt_tokens: int = 0
     specee: dict[str, Any] | None = None  # SpecEE kinds: exit layers, predictor checks and time, exit agreement
-    rounds: dict[str, Any] | None = None  # selfspec kinds: {"lookup": steps drafted by lookup, "depths": {depth: rounds}}
+    # selfspec kinds: {"lookup": steps drafted by lookup, "blank": steps whose head draft was refused, "depths": {depth:
+    # rounds}, ...}
+    rounds: dict[str, Any] | None = None
     peer: dict[str, Any] | None = None  # llama-cpp: the server's own timings (prompt / predicted ms, drafts)
     prefill_time: float | None = None  # seconds of wall_time spent on the prompt and the first token (None: unknown)
     cached_tokens: int = 0  # prompt tokens reused from an earlier turn (selfspec's prefix cache, llama.cpp's cache_n)
@@ -331,7 +333,7 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int, 
     rounds = None
     if method.kind != "plain":
         rounds = {"lookup": st.lookup_steps, "store": st.store_steps, "store_proposed": st.store_proposed,
-                  "store_accepted": st.store_accepted,
+                  "store_accepted": st.store_accepted, "blank": st.blank_steps,
                   "depths": {str(d): n for d, n in sorted(st.draft_depths.items())}}
     return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids), specee, rounds,
                       prefill_time=st.prefill_time, cached_tokens=st.cached_tokens)

@@ -156,8 +156,8 @@ def same_tokens(a: dict, b: dict) -> bool:
 
 def round_mix(recs: list[dict], steps: int) -> dict[str, Any] | None:
     """Where a method's verification steps came from: shares of lookup blocks (of them, the token store's, with
-    its drafts' acceptance), early-exit drafts (and their exit depths, e.g. the depth bandit's picks) and plain
-    steps (no draft); None without records."""
+    its drafts' acceptance), early-exit drafts (and their exit depths, e.g. the depth bandit's picks), blank steps
+    (the head ran, its first draft refused) and plain steps (the head did not run); None without records."""
     turns = [t for r in recs for t in (_choice(r).get("rounds") or []) if t is not None]
     if not turns or not steps:
         return None
@@ -168,7 +168,9 @@ def round_mix(recs: list[dict], steps: int) -> dict[str, Any] | None:
             depths[d] = depths.get(d, 0) + n
     head = sum(depths.values())
     store, proposed = sum(t.get("store", 0) for t in turns), sum(t.get("store_proposed", 0) for t in turns)
-    return {"lookup": lookup / steps, "head": head / steps, "plain": max(0.0, 1.0 - (lookup + head) / steps),
+    blank = sum(t.get("blank", 0) for t in turns)  # answers recorded before the twenty-ninth session have none
+    return {"lookup": lookup / steps, "head": head / steps, "plain": max(0.0, 1.0 - (lookup + head + blank) / steps),
+            "blank": blank / steps,
             "store": store / steps,
             "store_acceptance": sum(t.get("store_accepted", 0) for t in turns) / proposed if proposed else None,
             "depths": {d: n / head for d, n in sorted(depths.items(), key=lambda kv: int(kv[0]))} if head else {}}
@@ -306,10 +308,12 @@ def format_rounds(summary: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     lines = ["", "Steps by draft source (overall): lookup block, early-exit draft (share of those per exit depth), "
-             "plain step (no draft):", "", "| method | lookup | early exit | exit depths | plain |", "|---|---|---|---|---|"]
+             "blank (the head ran, the confidence stop refused its draft), plain step (the head did not run):", "",
+             "| method | lookup | early exit | exit depths | blank | plain |", "|---|---|---|---|---|---|"]
     for m, r in rows:
         depths = ", ".join(f"{d}: {x:.0%}" for d, x in r["depths"].items()) or "-"
-        lines.append(f"| {m} | {r['lookup']:.0%} | {r['head']:.0%} | {depths} | {r['plain']:.0%} |")
+        lines.append(f"| {m} | {r['lookup']:.0%} | {r['head']:.0%} | {depths} | {r.get('blank', 0.0):.0%} | "
+                     f"{r['plain']:.0%} |")
     return lines
 
 

@@ -7,8 +7,9 @@ plain and the default alternating prompt by prompt (Spec-Bench questions, first 
 first), and sorts the speculative rounds by what they drafted:
 
     kind        drafted   what the round did
-    no draft    0         the drafter proposed nothing (the head ran and its first draft was refused, or the policy
-                          chose a plain step): one row verified
+    blank       0         the head ran and the confidence stop refused its first draft
+    no draft    0         the drafter proposed nothing, the head did not run (the policy chose a plain step): one
+                          row verified
     head        g         an early-exit chain (or tree) of g drafts
     lookup      g         a lookup block of g drafts (no head)
 

@@ -39,7 +39,7 @@ from selfspec.heads.base import ExitHead
 from selfspec.models.split import SplitModel
 from selfspec.sampling import greedy, logits_to_probs, sample
 from selfspec.state import SequenceState
-from selfspec.stats import LOOKUP_SOURCES
+from selfspec.stats import BLANK, LOOKUP_SOURCES
 
 
 class EarlyExitDrafter(BaseDrafter):
@@ -440,8 +440,9 @@ class _Chain:
         self.tokens.append(self.tok)
 
     def block(self) -> DraftBlock:
+        blank = self.max_drafts > 0 and not self.tokens  # the head ran for the first draft; the stop refused it
         return DraftBlock(self.tokens, torch.stack(self.probs) if self.probs else None, torch.cat(self.states, dim=1),
-                          start=self.p, exit_layer=self.k,
+                          start=self.p, exit_layer=self.k, source=BLANK if blank else "early_exit",
                           predicted_finals=torch.cat(self.f_hats, dim=1) if self.f_hats else None)
 
 
