@@ -100,8 +100,13 @@ def test_prefill_path_is_measured_once_per_type_and_cached(tmp_path, monkeypatch
     entry = next((tmp_path / "prefill").glob("*.json"))
     assert set(json.loads(entry.read_text())["ms"]) == set(PREFILL_PATHS)  # all three timed
     monkeypatch.setattr(weight, "_prefill_paths", {})
-    entry.write_text('{"path": "torch"}')  # read back, not measured again
-    assert weight.prefill_path("Q4_K") == "torch"
+    entry.write_text('{"path": "panels", "ms": {"kernel": 10.0, "panels": 10.0, "torch": 5.0}}')  # read back, not
+    assert weight.prefill_path("Q4_K") == "torch"  # measured again; decided from its times
+    monkeypatch.setattr(weight, "_prefill_paths", {})
+    entry.write_text('{"path": "kernel", "ms": {"kernel": 9.7, "panels": 10.0, "torch": 15.0}}')
+    assert weight.prefill_path("Q4_K") == "panels"  # a near-tie goes to the panels (the prefix cache needs them)
+    assert weight.choose_prefill_path({"kernel": 8.9, "panels": 10.0, "torch": 15.0}) == "kernel"
+    monkeypatch.setattr(weight, "_prefill_paths", {})
     entry.write_text('{"path": "nonsense"}')  # a damaged entry is measured again
     monkeypatch.setattr(weight, "_prefill_paths", {})
     assert weight.prefill_path("Q4_K") in PREFILL_PATHS

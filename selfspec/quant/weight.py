@@ -43,6 +43,12 @@ WORDS5_GROUP = 32  # 5-bit codes are packed per group of 32 columns (every 5-bit
 GEMM_ROWS = 128
 GEMM_TILE = 1 << 20  # float32 weights per dequantized tile (4 MB: stays in cache while the GEMM reads it)
 PREFILL_PATHS = ("kernel", "panels", "torch")
+# Another path is chosen over the panels only when it takes under this share of their time: the panels alone give a
+# row the same bits in any call, which the prompt prefix cache needs (selfspec/prefix_cache.py), and a whole prompt's
+# prefill saved is worth more than a few percent of one. Measured on a Zen 5 instance where the probe put the kernel
+# 1-3% ahead of the panels on Q4_1 / Q4_0 / Q4_K / Q6_K in one run and behind in another: a near-tie decided by the
+# host's noise turned the default model's prefix cache off.
+PANELS_MARGIN = 0.9
 PROBE = (4096, 1024, 256)  # the probe weight of each type: N, K, x-rows
 _prefill_paths: dict[str, str] = {}  # this process's answers by weight type
 
@@ -60,10 +66,10 @@ def _measured_prefill_path(type_name: str) -> str:
     key = json.dumps([cpu_flags(), torch.__version__, torch.get_num_threads(), kernel_source_hash(), type_name, PROBE])
     path = cache_root() / "prefill" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
-        answer = json.loads(path.read_text())["path"]
-        if answer in PREFILL_PATHS:
-            return str(answer)
-    except (OSError, ValueError, KeyError, TypeError):
+        ms = json.loads(path.read_text())["ms"]
+        if set(ms) == set(PREFILL_PATHS):  # decided again from the stored timings (they outlive a change of the rule)
+            return choose_prefill_path({name: float(t) for name, t in ms.items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     n, k, rows = PROBE
     fmt = FORMATS[type_name]
@@ -76,9 +82,16 @@ def _measured_prefill_path(type_name: str) -> str:
     with torch.inference_mode():
         ms = {name: time_call(lambda f=f: f(x, out, None, False), reps=5, warmup=1, quantile=0.0) * 1e3
               for name, f in ways.items()}
-    answer = min(ms, key=lambda name: ms[name])
+    answer = choose_prefill_path(ms)
     atomic_write_text(path, json.dumps({"path": answer, "ms": ms, "type": type_name, "probe": PROBE}))
     return answer
+
+
+def choose_prefill_path(ms: dict[str, float]) -> str:
+    """The prefill path of a type from its probe's times (ms per path): the fastest, unless the panels are within
+    PANELS_MARGIN of it (then the panels)."""
+    best = min(ms, key=lambda name: ms[name])
+    return "panels" if "panels" in ms and ms[best] > PANELS_MARGIN * ms["panels"] else best
 
 
 def _pack_codes(codes: np.ndarray, fmt: Format) -> np.ndarray:  # [N_pad, K] -> [N_pad / 16, G, CB]
