@@ -397,6 +397,7 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
 
     step, history, t0, total, schedule = train_steps(head, train, cfg, ckpt, step, history, step_loss,
                                            f"train deep head @ layer {cfg.exit_layer}")
+    trained = time.perf_counter() - t0  # the whole run's training clock (a resumed run's includes the killed one's)
     head.eval().requires_grad_(False)
     after = {d: evaluate_deep(head, lm_rows, fs, cfg, label_map) for d, fs in held_sets.items()}
     first = next(iter(held_sets), "")  # heldout_before / _after: the first set ("": none); heldout_sets: every one
@@ -404,7 +405,7 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
               "autocast": str(autocast_dtype(cfg.precision) or "none"), "train_tokens": train.num_tokens,
               "train_conversations": len(train), "heldout_before": before.get(first), "heldout_after": after.get(first),
               "heldout_sets": {d: {"before": before.get(d), "after": after[d]} for d in held_sets},
-              "seconds": round(time.perf_counter() - t0, 1)}
+              "seconds": round(trained, 3), "eval_seconds": round(time.perf_counter() - t0 - trained, 3)}
     save_trained(head, split, vocab_ids, out, report, history)
     return head, report
 

@@ -145,11 +145,12 @@ def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[Nested
 
     step, history, t0, total, _ = train_steps(head, train, cfg, ckpt, step, history, step_loss,
                                            f"train nested head @ depths {depths}")
+    trained = time.perf_counter() - t0  # the whole run's training clock (a resumed run's includes the killed one's)
     head.eval().requires_grad_(False)
     after = evaluate()
     report = {"config": asdict(cfg), "depths": depths, "steps": step, "total_steps": total,
               "train_tokens": train.num_tokens, "heldout_before": before, "heldout_after": after,
-              "seconds": round(time.perf_counter() - t0, 1)}
+              "seconds": round(trained, 3), "eval_seconds": round(time.perf_counter() - t0 - trained, 3)}
     save_trained(head, split, vocab_ids, out, report, history)
     return head, report
 
