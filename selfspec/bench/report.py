@@ -312,7 +312,7 @@ def format_rounds(summary: dict[str, Any]) -> list[str]:
              "| method | lookup | early exit | exit depths | blank | plain |", "|---|---|---|---|---|---|"]
     for m, r in rows:
         depths = ", ".join(f"{d}: {x:.0%}" for d, x in r["depths"].items()) or "-"
-        lines.append(f"| {m} | {r['lookup']:.0%} | {r['head']:.0%} | {depths} | {r.get('blank', 0.0):.0%} | "
+        lines.append(f"| {m} | {r['lookup']:.0%} | {r['head']:.0%} | {depths} | {r['blank']:.0%} | "
                      f"{r['plain']:.0%} |")
     return lines
 

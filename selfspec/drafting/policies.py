@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from selfspec.costs import DraftCosts, best_gamma, expected_accepted, speedup
+from selfspec.costs import DraftCosts, best_gamma, speedup, speedup_with_blanks
 from selfspec.errors import InvalidConfigError
 
 
@@ -171,17 +171,6 @@ class ByMatchLength:
 PASS_PRIOR = (1.4, 0.6)
 
 
-def speedup_with_blanks(costs: DraftCosts, acceptance: list[float], g: int, pass_rate: float) -> float:
-    """Expected speed over plain decoding of rounds that draft up to g tokens when only a share ``pass_rate`` of
-    them get past the confidence stop at the first draft: the others are blank (the head ran, no draft: one
-    token for a plain step plus the head and the round's overhead). g = 0 is plain decoding (1.0)."""
-    if g == 0:
-        return 1.0
-    blank = costs.t_plain + costs.t_head + costs.overhead(1) - costs.t_per_draft
-    tokens = 1.0 + pass_rate * expected_accepted(acceptance, g)
-    return tokens * costs.t_plain / (pass_rate * costs.round_cost(g) + (1.0 - pass_rate) * blank)
-
-
 class ThompsonPolicy:
     """EESD's Thompson-sampled draft length (Liu et al., 2024, "Speculative Decoding via Early-exiting for
     Faster LLM Inference with Thompson Sampling Control Mechanism").
@@ -248,9 +237,6 @@ class ThompsonPolicy:
         ``price_blanks`` off)."""
         return self.rng.betavariate(self.passes, self.blanks) if self.blanks_priced else 1.0
 
-    def pass_mean(self) -> float:
-        return self.passes / (self.passes + self.blanks) if self.blanks_priced else 1.0
-
     def draw(self, n: int) -> list[float]:
         """One acceptance rate per position 0..n-1, drawn from the posteriors."""
         return [self.rng.betavariate(self.alpha[i], self.beta[i]) for i in range(min(n, len(self.alpha)))]
@@ -261,8 +247,6 @@ class ThompsonPolicy:
     def choose(self, gamma: int) -> tuple[int, float]:
         """(draft length, its expected speedup over plain) for one round, from fresh draws of the posteriors."""
         theta, pi, n = self.draw(gamma), self.draw_pass(), min(gamma, len(self.alpha))
-        if pi >= 1.0:
-            return best_gamma(self.costs, theta, n)
         return max(((g, speedup_with_blanks(self.costs, theta, g, pi)) for g in range(n + 1)), key=lambda t: t[1])
 
     def max_drafts(self, gamma: int) -> int:
