@@ -155,10 +155,15 @@ class PrefixCache:
     def store(self, prompt: list[int], cache: KVCache, computed: int) -> None:
         """Keep the prompt's keys and values, just prefilled into ``cache``, whose last ``computed`` rows were
         computed in one call (the rest came from this cache). Only prompts whose rows all came from calls of
-        MIN_ROWS or more are kept; a kept prompt that is a prefix of this one is replaced by it."""
+        MIN_ROWS or more are kept; a kept prompt that is a prefix of this one is replaced by it, and a prompt a
+        kept one already holds (the same request again, another method on the same question) is not copied."""
         if self.off is not None or computed < MIN_ROWS or len(prompt) < MIN_ROWS:
             return
         n = len(prompt)
+        for key, old in self.entries.items():
+            if len(old.tokens) >= n and common_prefix(old.tokens, prompt) == n:
+                self.entries.move_to_end(key)  # held already (the same bits: see above), no copy made
+                return
         e = Entry(list(prompt), [k[:, :, :n].clone() for k in cache.keys], [v[:, :, :n].clone() for v in cache.values])
         if e.nbytes > self.capacity:
             return

@@ -199,6 +199,24 @@ def test_least_recently_used_prompts_go_first(panels):
     assert pc.nbytes <= pc.capacity
 
 
+def test_a_prompt_held_already_is_not_copied_again(panels):
+    """The same prompt again (another method on the same question), or a prefix of a held one: no new copy, the
+    held entry becomes the most recently used; the request still reuses and computes its rows as before."""
+    ss = SelfSpec(quantize_model(tiny_model("llama"), "Q4_0"), None)
+    pc = ss.prefix_cache
+    a, b = prompt_of(80, 20), prompt_of(70, 21)
+    started(ss, a)
+    held = next(iter(pc.entries.values()))
+    started(ss, b)
+    assert [e.tokens for e in pc.entries.values()] == [a, b]
+    seq, stats = started(ss, a, "selfspec")  # the same prompt: reuses 80 - 32 rows, stores nothing new
+    assert stats.cached_tokens == 80 - MIN_ROWS
+    assert [e.tokens for e in pc.entries.values()] == [b, a]
+    assert pc.entries[next(reversed(pc.entries))] is held  # the copy made by the first request
+    started(ss, a[:60])  # a prefix of a held prompt: nothing new either
+    assert [e.tokens for e in pc.entries.values()] == [b, a]
+
+
 @pytest.mark.slow
 def test_the_default_model_reuses_a_chats_first_turn_exactly(default_ss):
     ss = default_ss
