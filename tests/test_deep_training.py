@@ -377,3 +377,27 @@ def test_train_recipe_end_to_end_resumes_and_its_head_decodes_losslessly(sharegp
     for a, b in zip(first, second, strict=True):
         assert abs(b["before"]["top1"] - a["after"]["top1"]) < 0.03  # it starts where the first run ended
         assert b["before"]["top1"] > a["before"]["top1"] + 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "phi3"])
+def test_train_recipe_on_other_architectures_quantized(sharegpt_file, tmp_path, arch):
+    """The recipe on the layouts furthest from Llama's (q/k norms; scaled embeddings and sliding windows; fused
+    projections), block-quantized as a user's GGUF is: every stage runs and its head decodes losslessly."""
+    from selfspec.quant.convert import quantize_model
+    from selfspec.train.recipe import RecipeConfig, train_recipe
+
+    model = quantize_model(tiny_model(arch), "Q8_0" if arch == "phi3" else "Q4_0")
+    ss = SelfSpec(model, tiny_tokenizer(TEMPLATE), DraftConfig(head="lm", exit_layer=2, gamma=1))
+    cfg = RecipeConfig(out=str(tmp_path / "run"), minutes=0.1, source=str(sharegpt_file), heldout=0.25, answer_skip=5,
+                       heldout_answers=2, heldout_conversations=2, answer_tokens=8, answer_batch=2,
+                       vocab_sizes="40", eval_prompts=1, eval_tokens=8)
+    report = train_recipe(ss, cfg)
+    assert report["train"]["steps"] > 0 and report["vocab"]["chosen"] == 40
+    ss.set_draft(DraftConfig(head=str(tmp_path / "run" / "head"), gamma=3, lookup=0, policy="fixed", tune="off"))
+    for text in ("the cat sat on", "hello world"):
+        prompt = ss.encode([{"role": "user", "content": text}])
+        out = ss.generate(prompt, max_new_tokens=16)
+        assert out.token_ids == hf_greedy(ss.model, prompt, 16, eos=ss.eos_token_ids), (arch, text)
+        assert sum(out.stats.proposed_per_position) > 0  # the head drafted and was verified
+
