@@ -24,7 +24,7 @@ from selfspec.engine import Engine
 from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplateError
 from selfspec.heads.base import ExitHead
 from selfspec.heads.io import resolve_head
-from selfspec.memory import trim_heap
+from selfspec.memory import freeze_gc, trim_heap
 from selfspec.models.loading import load_model, local_gguf, model_id_of
 from selfspec.models.split import SplitModel
 from selfspec.outputs import GenerationResult, RequestOutput, StreamEvent
@@ -60,6 +60,7 @@ class SelfSpec:
         ss = cls(hf_model, tokenizer, draft, model_id=model_id_of(mcfg), backend=mcfg.backend,
                  prefix_cache=mcfg.prefix_cache)
         ss.source_gguf = local_gguf(mcfg)
+        freeze_gc()  # what the load left (torch, transformers, the model): out of the cyclic collector's walks
         return ss
 
     # ---- draft setup ----------------------------------------------------------------

@@ -5,11 +5,17 @@ calibration forwards' caches and activations. glibc's malloc keeps such freed pa
 resident) unless asked to return them; ``trim_heap`` asks, at the end of those steps. Measured on the default
 model it returns 15-20 MB after a load from the packed cache and over 200 MB after a first load of
 Qwen2.5-Coder-0.5B (which decodes the GGUF).
+
+Python's cyclic garbage collector is the other cost a load leaves behind: importing torch and transformers and
+building a model leave ~220,000 objects it tracks, and each of its full collections walks them all (~150 ms on
+2 cores), at a moment no one chooses: measured, the second request a fresh server or scheduler served took 180-280
+ms instead of ~60. ``freeze_gc`` moves what a load leaves out of its reach (``gc.freeze``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,6 +34,14 @@ def trim_heap() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def freeze_gc() -> None:
+    """Move every object alive now to the garbage collector's permanent generation (``gc.freeze``): later full
+    collections skip them (~150 ms each, see above, down to under 1 ms). Objects freed by reference counting go as
+    before; only reference cycles among them, if they become garbage later, are never collected (a load leaves
+    ~130 unreachable objects, so none is collected first). Call it once after loading, not per request."""
+    gc.freeze()
 
 
 def proc_mb(path: str, field: str, default: float = float("nan")) -> float:
