@@ -90,7 +90,7 @@ def _ride(engine: Engine, e: BatchEntry, chain: DraftBlock | None,
     split, seq = engine.split, e.seq
     if e.prompt is not None:  # a prefill; a speculative one keeps its exit states for the drafter
         ids = torch.tensor([e.prompt[e.first :]], dtype=torch.long, device=split.device)
-        capture = engine.need_drafter().depth_of(seq) if e.speculative else None
+        capture = engine.capture_depth(seq, e.gen) if e.speculative else None
         return Ride(0, split.embed(ids), seq.positions(e.first, ids.shape[1]), seq.cache, capture=capture), None
     if not e.speculative:
         return engine.ride_of(seq, None), None
