@@ -230,6 +230,17 @@ def _server_metrics(url: str, key: str) -> dict[str, float]:
     return out
 
 
+def replicas_asked(serve_args: str) -> int:
+    """The replica count ``serve_args`` asks for (``--replicas N``; 1 without it)."""
+    args = shlex.split(serve_args)
+    for i, a in enumerate(args):
+        if a == "--replicas" and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith("--replicas="):
+            return int(a.split("=", 1)[1])
+    return 1
+
+
 def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
     """Run the load test; returns (and writes to ``cfg.out``) its figures."""
     if cfg.url is not None and urlparse(cfg.url).hostname not in LOOPBACK:
@@ -284,9 +295,12 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         running.clear()
         watcher.join(10)
-        # and a few polls with the server idle: a router that kept /health on one busy replica during the run (seen
-        # once on a loaded 2-core machine) spreads them now, so every live replica is counted
-        for _ in range(12):
+        # and polls with the server idle: a router that kept /health on one busy replica during the run (seen on a
+        # loaded 2-core machine, twice, the second time through 12 idle polls too) spreads them now, so every live
+        # replica is counted: up to 80 polls, until as many processes as replicas were asked for have answered
+        for _ in range(80):
+            if len(pids - {None}) >= replicas_asked(cfg.serve_args):
+                break
             poll()
             time.sleep(0.05)
         time.sleep(0.5)  # let the last cancelled jobs finish
