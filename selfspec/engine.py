@@ -111,12 +111,10 @@ class Engine:
             self.prefix.store(prompt_ids, seq.cache, computed)
 
     def capture_depth(self, seq: SequenceState, gen: GenerateConfig) -> int | None:
-        """The depth whose states ``gen``'s prefill keeps for the drafter (``Drafter.start``): None for plain
-        decoding, and for a selfspec request whose drafter reads nothing of the prompt (``prompt_rows_needed`` 0:
-        lookup alone, a head the calibration turned off), whose prefill is then plain decoding's, one pass over every
-        layer. (SpecEE's rounds run the head whatever the calibration chose: they keep them.)"""
-        if not self.speculative(gen.method):
-            return None
+        """The depth whose states a speculative request's prefill keeps for its drafter, None when the drafter is
+        given nothing (no ``Drafter.start``): a selfspec request whose drafter reads nothing of the prompt
+        (``prompt_rows_needed`` 0: lookup alone, a head the calibration turned off), whose prefill is then plain
+        decoding's, one pass over every layer. (SpecEE's rounds run the head whatever the calibration chose.)"""
         drafter = self.need_drafter()
         return None if gen.method == "selfspec" and drafter.prompt_rows_needed() == 0 else drafter.depth_of(seq)
 
@@ -125,9 +123,10 @@ class Engine:
         """The prompt into ``seq`` (the drafter given its states when ``speculative``), from position ``first``
         (the cache holds those before: ``reuse_prefix``); -> the first token."""
         drafter = self.drafter if speculative else None
-        h_k, h = core.prefill(self.split, seq, prompt_ids, gen, self.capture_depth(seq, gen) if speculative else None,
-                              first, None if drafter is None else drafter.context_layers)
-        if drafter is not None:
+        capture = self.capture_depth(seq, gen) if drafter is not None else None
+        h_k, h = core.prefill(self.split, seq, prompt_ids, gen, capture, first,
+                              None if drafter is None else drafter.context_layers)
+        if drafter is not None and capture is not None:
             drafter.start(seq, h_k, h, first)
         return seq.pending
 

@@ -160,15 +160,19 @@ class PrefixCache:
         if self.off is not None or computed < MIN_ROWS or len(prompt) < MIN_ROWS:
             return
         n = len(prompt)
+        held_whole = []  # kept prompts this one holds whole: replaced by it
         for key, old in self.entries.items():
-            if len(old.tokens) >= n and common_prefix(old.tokens, prompt) == n:
+            shared = common_prefix(old.tokens, prompt)
+            if shared == n:
                 self.entries.move_to_end(key)  # held already (the same bits: see above), no copy made
                 return
+            if shared == len(old.tokens):
+                held_whole.append(key)
         e = Entry(list(prompt), [k[:, :, :n].clone() for k in cache.keys], [v[:, :, :n].clone() for v in cache.values])
         if e.nbytes > self.capacity:
             return
-        for key in [k for k, old in self.entries.items() if common_prefix(old.tokens, prompt) == len(old.tokens)]:
-            del self.entries[key]  # this prompt holds it whole
+        for key in held_whole:
+            del self.entries[key]
         while self.entries and self.nbytes + e.nbytes > self.capacity:
             self.entries.popitem(last=False)
         self.entries[self._next] = e

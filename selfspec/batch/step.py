@@ -61,7 +61,7 @@ def step(engine: Engine, entries: list[BatchEntry]) -> list[list[int]]:
         seq = e.seq
         if e.prompt is not None:
             core.take_first(seq, e.prompt, lg[0, -1], e.gen)
-            if e.speculative:
+            if e.speculative and ride.capture is not None:  # (None: the drafter reads nothing of the prompt)
                 engine.need_drafter().start(seq, ride.h if ride.capture == 0 else ride.captured, ride.kept(h), e.first)
             engine.remember_prompt(seq, e.prompt, len(e.prompt) - e.first)
             out.append([seq.pending])

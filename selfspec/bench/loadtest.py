@@ -298,8 +298,9 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
         # and polls with the server idle: a router that kept /health on one busy replica during the run (seen on a
         # loaded 2-core machine, twice, the second time through 12 idle polls too) spreads them now, so every live
         # replica is counted: up to 80 polls, until as many processes as replicas were asked for have answered
+        replicas = replicas_asked(cfg.serve_args)
         for _ in range(80):
-            if len(pids - {None}) >= replicas_asked(cfg.serve_args):
+            if len(pids - {None}) >= replicas:
                 break
             poll()
             time.sleep(0.05)

@@ -127,8 +127,6 @@ class EarlyExitDrafter(BaseDrafter):
         passes over all but its last ``head_context`` rows anyway, ``prompt_rows_needed``)."""
         if not (self.head.stateful or self.head.needs_context):
             return
-        if prompt_exit_states is None and not self.head_drafts:
-            return  # the engine's head never runs: its prefill kept nothing for it (Engine.capture_depth)
         assert prompt_exit_states is not None, "the prefill captures the exit states (depth_of)"
         if self.head.stateful:
             seq.head_state = self.head.new_state(seq.cache.capacity)
