@@ -125,6 +125,25 @@ def test_select_and_concat_keep_rows():
         qw.rows(torch.tensor([48]))
 
 
+@pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
+def test_select_unpacks_only_the_blocks_it_needs_and_keeps_the_rows(type_name, monkeypatch):
+    """A trimmed LM head: rows in any order, repeated, from a last block with padding rows (N = 61: four blocks); the
+    result is the rows bit for bit, and only the packed blocks holding them (not block 1) were unpacked."""
+    raw = random_tensor(type_name, 61, 256)
+    qw = QuantWeight.from_gguf(raw, type_name, 256)
+    seen = []
+    decode_blocks = QuantWeight._block_codes
+    monkeypatch.setattr(QuantWeight, "_block_codes", lambda self, c: seen.append(len(c)) or decode_blocks(self, c))
+    ids = torch.tensor([60, 3, 35, 3, 32, 0])
+    got = qw.select(ids)
+    assert got.shape == (6, 256) and got.type_name == type_name
+    assert seen == [3]  # blocks 0, 2 and 3
+    want = qw.rows(ids)
+    np.testing.assert_array_equal(got.dense().numpy().view(np.uint32), want.numpy().view(np.uint32))
+    with pytest.raises(IndexError):
+        qw.select(torch.tensor([61]))
+
+
 def test_unsupported_type_names_the_supported_ones():
     with pytest.raises(UnsupportedQuantError, match="Q2_K.*supported: Q4_0, Q4_1"):
         check_type("Q2_K", "blk.0.ffn_down.weight")
@@ -320,6 +339,21 @@ def test_screened_argmax_is_the_exact_logits_argmax(type_name):
         assert got is not None and torch.equal(got, logits.argmax(-1)), m
         assert got[0] == top and logits[0, top] == logits[0, n - 1]  # the first of the tied pair
     assert 0 < screen.candidate_blocks < screen.calls * qw.codes.shape[0]  # it screened: not every block computed
+
+
+@pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
+def test_screen_table_sums_each_rows_weights_per_group(type_name):
+    """qgroup_l1, the screen's bound table in one pass over the packed codes: each row's sum of |w| over each group,
+    the dequantized weights' (float64) to float32 rounding; padding rows past N sum to 0."""
+    n, k = 45, 512  # 3 blocks, the last with 3 padding rows
+    qw = QuantWeight.from_gguf(random_tensor(type_name, n, k, seed=5), type_name, k)
+    nb, groups = qw.codes.shape[0], qw.codes.shape[1]
+    got = built_extension().qgroup_l1(*qw.kernel_args(), torch.empty(nb, groups, 16))  # [NB, G, 16]
+    got = got.transpose(1, 2).reshape(nb * 16, groups)  # [rows, G]
+    want = qw.dense().double().abs().view(n, groups, -1).sum(-1)
+    assert (got[:n] > 0).any()
+    torch.testing.assert_close(got[:n].double(), want, rtol=2.0**-20, atol=0)
+    assert (got[n:] == 0).all()
 
 
 def test_screened_argmax_skips_padding_rows_and_refuses_non_finite_input():

@@ -20,6 +20,8 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, 
                     int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate);
 torch::Tensor qdense_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
                        double z, int64_t b0, int64_t b1, torch::Tensor out);
+torch::Tensor qgroup_l1(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
+                        double z, torch::Tensor out);
 torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
                        double z, torch::Tensor ids, torch::Tensor out);
 

@@ -551,6 +551,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_i8_vnni", &qlinear_i8_vnni, "whether qlinear_i8 uses AVX-512 VNNI");
   m.def("qcodes5_words", &qcodes5_words, "whether this build packs 5-bit codes as words (else nibbles and planes)");
   m.def("qdequant", &qdequant, "rows of a block-quantized packed weight as float32", nogil);
+  m.def("qgroup_l1", &qgroup_l1, "each row's sum of |w| per group of a packed weight (the screen's table)", nogil);
   m.def("qdense_t", &qdense_t, "blocks of a block-quantized packed weight as float32, transposed [K, rows]", nogil);
   bind_step(m);  // step.cpp: LayerPlan, run_layers
 }

