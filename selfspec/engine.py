@@ -24,7 +24,7 @@ from selfspec.config import GenerateConfig
 from selfspec.drafting.base import DraftBlock, Drafter
 from selfspec.errors import ContextOverflowError, EmptyPromptError, InvalidConfigError
 from selfspec.models.split import Ride, SplitModel
-from selfspec.prefix_cache import PrefixCache
+from selfspec.prefix_cache import MIN_ROWS, PrefixCache, why_not_exact
 from selfspec.sampling import greedy, make_generator, pick
 from selfspec.specee.decode import SPECEE_METHODS, SpecEERunner
 from selfspec.state import SequenceState
@@ -68,6 +68,7 @@ class Engine:
         self.prefix = prefix  # earlier prompts' keys and values (selfspec.prefix_cache), None: every prompt prefilled
         # a list: every round of generate_tokens appends its RoundRecord (kind, drafts, wall time: bench-rounds)
         self.round_log: list[RoundRecord] | None = None
+        self._tails_exact: bool | None = None  # whether a prefill's last layer may skip rows (``prefill_keep``)
 
     # ---- pieces -----------------------------------------------------------------------
     def need_drafter(self) -> Drafter:
@@ -118,6 +119,19 @@ class Engine:
         drafter = self.need_drafter()
         return None if gen.method == "selfspec" and drafter.prompt_rows_needed() == 0 else drafter.depth_of(seq)
 
+    def prefill_keep(self, gen: GenerateConfig, speculative: bool, capture: int | None) -> int | None:
+        """How many of a prefill's last rows need their last-layer states (``SplitModel.run_layers``'s ``keep``; the
+        rest only their keys and values): the last row's logits, and what the drafter reads of the prompt's final
+        states (``prompt_rows_needed``), but never under PANEL_ROWS, so that every row the prefill does compute has
+        the bits a whole prompt's prefill gives it. None (every row) where that cannot be promised
+        (``prefix_cache.why_not_exact``), the drafter reads the whole prompt, or for SpecEE's methods."""
+        if self._tails_exact is None:
+            self._tails_exact = why_not_exact(self.split) is None
+        if not self._tails_exact or gen.method not in ("plain", "selfspec"):
+            return None
+        need = self.need_drafter().prompt_rows_needed() if speculative and capture is not None else 0
+        return None if need is None else max(need, MIN_ROWS)
+
     def prefill(self, seq: SequenceState, prompt_ids: list[int], gen: GenerateConfig, speculative: bool,
                 first: int = 0) -> int:
         """The prompt into ``seq`` (the drafter given its states when ``speculative``), from position ``first``
@@ -125,7 +139,8 @@ class Engine:
         drafter = self.drafter if speculative else None
         capture = self.capture_depth(seq, gen) if drafter is not None else None
         h_k, h = core.prefill(self.split, seq, prompt_ids, gen, capture, first,
-                              None if drafter is None else drafter.context_layers)
+                              None if drafter is None else drafter.context_layers,
+                              keep=self.prefill_keep(gen, speculative, capture))
         if drafter is not None and capture is not None:
             drafter.start(seq, h_k, h, first)
         return seq.pending

@@ -33,20 +33,22 @@ from selfspec.verify import greedy_tree_verify, speculative_verify, tree_sample_
 
 def prefill(split: SplitModel, seq: SequenceState, prompt_ids: list[int], gen: GenerateConfig,
             capture: int | None = None, first: int = 0, context_layers: list[int] | None = None,
-            ) -> tuple[torch.Tensor | None, torch.Tensor]:
+            keep: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The prompt through every layer into ``seq``'s cache; its first token becomes pending and ``seq.tokens``
     the prompt plus it. ``capture``: also return the states after this many layers (a drafter's exit states).
     ``first``: the cache already holds positions [0, first) (the prefix cache's), only the rest is computed.
     ``context_layers`` (each past ``capture``): the states after them follow the last layer's (``through_layers``).
+    ``keep``: only the last ``keep`` rows' last-layer states are needed (``SplitModel.run_layers``; the rows before
+    them hold their states entering the last layer).
     -> (captured states ``# [1, P - first, hidden]`` or None, last-layer states ``# [1, P - first, hidden]``,
     or ``# [1, P - first, hidden * (1 + C)]`` with C context layers)."""
     ids = torch.tensor([prompt_ids[first:]], dtype=torch.long, device=split.device)
     pos = seq.positions(first, len(prompt_ids) - first)
     if capture is None:
-        h_k, h, ctx = None, split.forward_all(ids, pos, seq.cache), None
+        h_k, h, ctx = None, split.run_layers(split.embed(ids), 0, split.num_layers, pos, seq.cache, keep=keep), None
     else:
         h_k = split.run_layers(split.embed(ids), 0, capture, pos, seq.cache)
-        h, ctx = through_layers(split, Ride(capture, h_k, pos, seq.cache), context_layers)
+        h, ctx = through_layers(split, Ride(capture, h_k, pos, seq.cache, keep=keep), context_layers)
     take_first(seq, prompt_ids, split.logits(h[:, -1:])[0, -1], gen)
     return h_k, h if ctx is None else ctx
 
@@ -57,7 +59,8 @@ def through_layers(split: SplitModel, ride: Ride, context_layers: list[int] | No
     with ``context_layers`` (each past ``ride.layer``) those states followed by the states after each of them
     ``# [1, n, hidden * (1 + C)]``: what a deep head with fused features keeps of verified tokens; else None)."""
     if not context_layers:
-        return split.run_layers(ride.h, ride.layer, split.num_layers, ride.positions, ride.cache, tree=ride.tree), None
+        return split.run_layers(ride.h, ride.layer, split.num_layers, ride.positions, ride.cache, tree=ride.tree,
+                                keep=ride.keep), None
     ride.context = tuple(context_layers)  # run_rides cuts its stages there and keeps the states (a batch's way too)
     h = split.run_rides([ride])[0]
     return h, ride.kept(h)

@@ -12,7 +12,7 @@ from test_engine_equality import prompt_of
 from test_quant_models import k_quant_model
 
 from selfspec import SelfSpec
-from selfspec.batch.scheduler import BatchConfig, decode_batch
+from selfspec.batch.scheduler import BatchConfig, Scheduler, decode_batch
 from selfspec.config import GenerateConfig
 from selfspec.drafting.policies import make_policy
 from selfspec.errors import InvalidConfigError
@@ -234,3 +234,73 @@ def test_the_default_model_reuses_a_chats_first_turn_exactly(default_ss):
     assert all(torch.equal(w[:, :, : len(ids)], c[:, :, : len(ids)]) for w, c in zip(warm.cache.keys, cold.cache.keys))
     assert warm.pending == cold.pending
     ss.prefix_cache.clear()
+
+
+def full_prefill(ss: SelfSpec, prompt: list[int], method: str = "plain"):
+    """``started`` with every row of the last layer computed (the engine told its tails are not exact)."""
+    ss.engine._tails_exact = False
+    try:
+        return started(ss, prompt, method)
+    finally:
+        ss.engine._tails_exact = None
+
+
+@pytest.mark.parametrize("method", ["plain", "selfspec"])
+def test_a_prefills_last_layer_runs_only_the_rows_it_needs_with_a_full_prefills_bits(panels, method, monkeypatch):
+    """The last layer of a 90-token prefill runs attention and MLP on its last MIN_ROWS rows (a deep head's
+    head_context + 1 = 41 for selfspec), every layer's keys and values on all; the cache, the first token, the next
+    step's logits and the drafter's final states are a full prefill's, bit for bit."""
+    from selfspec.models import fast
+
+    ss, _ = deep_ss("llama", 0, gamma=3, lookup=2, quantize="Q4_0")
+    ss.engine.drafter.head_context = 40
+    want_rows = MIN_ROWS if method == "plain" else 41
+    assert ss.engine.prefill_keep(GenerateConfig(method=method), method == "selfspec", 0) == want_rows
+    prompt = prompt_of(90, 8)
+    ss.prefix_cache.clear()
+    full, _ = full_prefill(ss, prompt, method)
+    ss.prefix_cache.clear()
+    last = ss.split.fast_layers[-1]
+    rows = []
+    mlp = fast.FastLayer._mlp
+    monkeypatch.setattr(fast.FastLayer, "_mlp", lambda self, h, a, ops: (self is last and rows.append(h.shape[1]))
+                        or mlp(self, h, a, ops))
+    cut, _ = started(ss, prompt, method)
+    assert rows == [want_rows]
+    monkeypatch.setattr(fast.FastLayer, "_mlp", mlp)
+    for i in range(len(full.cache.keys)):
+        assert torch.equal(cut.cache.keys[i][:, :, :90], full.cache.keys[i][:, :, :90]), i
+        assert torch.equal(cut.cache.values[i][:, :, :90], full.cache.values[i][:, :, :90]), i
+    assert cut.pending == full.pending
+    with torch.inference_mode():
+        ids = torch.tensor([[cut.pending]])
+        hc = ss.split.forward_all(ids, cut.positions(90, 1), cut.cache)
+        hf = ss.split.forward_all(ids, full.positions(90, 1), full.cache)
+    assert torch.equal(ss.split.logits(hc), ss.split.logits(hf))
+    if method == "selfspec":  # the rows a deep head reads of the prompt's final states (its last head_context + 1)
+        assert torch.equal(cut.extras["finals"][91 - want_rows : 91], full.extras["finals"][91 - want_rows : 91])
+
+
+def test_a_batched_prefill_runs_the_tail_too_and_answers_as_alone(panels, monkeypatch):
+    """Continuous batching: a prompt's prefill beside another request's decoding rows (two segments in one layer
+    call) computes its last layer's tail only, and both answers are each request's own."""
+    from selfspec.models import fast
+
+    ss = SelfSpec(quantize_model(tiny_model("qwen2"), "Q8_0"), None)
+    a, b = prompt_of(20, 9), prompt_of(70, 10)
+    alone = [ss.generate(p, max_new_tokens=NEW, method="plain").token_ids for p in (a, b)]
+    tails = []
+    forward = fast.FastLayer._forward_tails
+    monkeypatch.setattr(fast.FastLayer, "_forward_tails", lambda self, h, segs, t, ops: tails.append(list(t))
+                        or forward(self, h, segs, t, ops))
+    ss.prefix_cache.clear()  # b's prefill whole again, not its last MIN_ROWS rows after a reuse
+    gen = GenerateConfig(max_new_tokens=NEW, method="plain")
+    sched = Scheduler(ss.engine, BatchConfig(max_batch=2))
+    ra = sched.add(a, gen)
+    sched.step()  # a's prefill (20 rows: no tail, under MIN_ROWS)
+    sched.step()  # a decodes
+    assert tails == []
+    rb = sched.add(b, gen)
+    sched.run()  # b's 70-row prefill beside a's decoding row
+    assert [ra.out, rb.out] == alone
+    assert tails == [[1, MIN_ROWS]]

@@ -91,7 +91,8 @@ def _ride(engine: Engine, e: BatchEntry, chain: DraftBlock | None,
     if e.prompt is not None:  # a prefill; a speculative one keeps its exit states for the drafter
         ids = torch.tensor([e.prompt[e.first :]], dtype=torch.long, device=split.device)
         capture = engine.capture_depth(seq, e.gen) if e.speculative else None
-        return Ride(0, split.embed(ids), seq.positions(e.first, ids.shape[1]), seq.cache, capture=capture), None
+        return Ride(0, split.embed(ids), seq.positions(e.first, ids.shape[1]), seq.cache, capture=capture,
+                    keep=engine.prefill_keep(e.gen, e.speculative, capture)), None
     if not e.speculative:
         return engine.ride_of(seq, None), None
     if chain is not None:

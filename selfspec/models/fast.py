@@ -88,6 +88,8 @@ class Segment:
     values: torch.Tensor
     start: int  # its cache length of this layer before the call
     causal: bool = True  # False: ``mask`` is a token tree's
+    tail: int | None = None  # only its last ``tail`` rows need this layer's output, the others only their keys and
+    # values (a prefill's last layer: ``SplitModel.run_layers``'s ``keep``); None: every row
 
 
 class FastLayer:
@@ -174,6 +176,9 @@ class FastLayer:
         b, n, _ = h.shape
         # ops: the compiled row-wise ops (norms, rotary + cache write, silu * up) and causal attention, for any rows
         ops = self.ops is not None and h.dtype == torch.float32
+        tails = [self._tail(seg, ops) for seg in segments]
+        if any(t < seg.n for t, seg in zip(tails, segments)):
+            return self._forward_tails(h, segments, tails, ops)
         if (ops and b * n <= MAX_GEMV_ROWS and self.plan is not None and len(segments) == 1 and segments[0].causal
                 and segments[0].n == n and h.is_contiguous()):
             seg = segments[0]  # one causal sequence (a head's block): the layer as one C++ call, the same ops
@@ -188,6 +193,32 @@ class FastLayer:
             for seg in segments:
                 a[:, seg.offset : seg.offset + seg.n] = self._attend(qkv[:, seg.offset : seg.offset + seg.n], seg, ops)
         return self._mlp(h, a, ops)
+
+    def _tail(self, seg: Segment, ops: bool) -> int:
+        """How many of ``seg``'s last rows this call computes through (its ``tail``, where the compiled ops run a
+        causal segment: the attention takes any rows at the end of the cache; elsewhere every row)."""
+        return min(seg.n, seg.tail) if seg.tail is not None and ops and seg.causal else seg.n
+
+    def _forward_tails(self, h: torch.Tensor, segments: list[Segment], tails: list[int], ops: bool) -> torch.Tensor:
+        """``forward_segments`` where some segments need only their last rows' output (a prefill's last layer): every
+        row's keys and values go into its cache, but attention, o_proj and the MLP run on the tails alone. A row's
+        result is the one the whole call gives it where the kernels compute rows independently (the panels from
+        PANEL_ROWS rows, the compiled attention: what the prefix cache relies on, ``selfspec.prefix_cache``); the
+        rows outside the tails keep their input. Qwen2.5-0.5B: a 700-token prompt's last layer is 4% of its prefill."""
+        qkv = self._qkv(h, ops)
+        parts, rows = [], []
+        for seg, t in zip(segments, tails):
+            lo = seg.offset + seg.n - t
+            parts.append(self._attend(qkv[:, seg.offset : seg.offset + seg.n], seg, ops, tail=t))
+            rows.append(torch.arange(lo, lo + t, device=h.device))
+        a = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [b, sum of tails, hq d]
+        if len(segments) == 1:  # one range at the end of the rows: a view, updated in place
+            lo = segments[0].offset + segments[0].n - tails[0]
+            self._mlp(h[:, lo : lo + tails[0]], a, ops)
+            return h
+        idx = torch.cat(rows)
+        h[:, idx] = self._mlp(h[:, idx], a, ops)
+        return h
 
     def _fused_ops(self) -> Any:
         """The compiled ops (``selfspec/kernels/ops.cpp``): a call is only fused when they were built."""
@@ -208,14 +239,19 @@ class FastLayer:
             heads[:, :, hq : hq + hkv] = self._norm(heads[:, :, hq : hq + hkv].contiguous(), self.k_norm, True)
         return qkv
 
-    def _attend(self, qkv: torch.Tensor, seg: Segment, ops: bool) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, seg: Segment, ops: bool, tail: int | None = None) -> torch.Tensor:
         """One segment's attention: rotary, its keys / values written into its cache, attention over the
-        cache (``ops``: by the compiled ops; a token tree's mask by SDPA).
-        ``qkv`` ``# [b, n, (hq + 2 hkv) d]`` -> ``# [b, n, hq d]``."""
+        cache (``ops``: by the compiled ops; a token tree's mask by SDPA); ``tail``: only the last rows attend
+        (every row's keys and values are written; ``ops`` and a causal segment only).
+        ``qkv`` ``# [b, n, (hq + 2 hkv) d]`` -> ``# [b, n, hq d]`` (``# [b, tail, hq d]``)."""
         b, n, _ = qkv.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if ops:
             q = self._fused_ops().rope_qkv(qkv.contiguous(), *seg.rotary.raw, seg.keys, seg.values, seg.start, hq, hkv)
+            if tail is not None and tail < n:
+                assert seg.causal, "a tail of a token tree's rows"
+                return self._fused_ops().attention(q[:, n - tail :].contiguous(), seg.keys, seg.values,
+                                                   seg.start + n - tail, self.window, self.scaling)
             # Every causal block takes the fused op: measured faster than SDPA from 1 query to a prefill (Qwen 0.5B
             # shapes, 2 threads; context 256: n=1 13 vs 25 us, n=4 29 vs 62, n=16 103 vs 128; prompts from position
             # 0 against SDPA's causal flash kernel: 64 rows 0.09 vs 0.18 ms, 200 0.55 vs 1.20, 709 5.5 vs 10.0).
