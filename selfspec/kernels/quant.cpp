@@ -46,7 +46,6 @@
 #include <memory>
 #include <type_traits>
 #include <vector>
-#include <vector>
 
 #include "kernels.h"
 #include "simd.h"
