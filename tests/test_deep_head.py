@@ -100,15 +100,15 @@ def first_drafts_match_a_fresh_forward(ss, head, k: int, prompts: list[list[int]
     that prefix (one fresh forward, ``teacher_forced``). -> the drafts proposed."""
     drafter, split = ss.engine.drafter, ss.split
     seen: list[tuple[int, torch.Tensor]] = []
-    inner = drafter._deep_features
+    inner = drafter._deep_draft  # a greedy draft's features and logits (draft_step's, where it applies)
 
     def spy(seq, h, f_prev):
-        f_hat = inner(seq, h, f_prev)
+        f_hat, part, ids = inner(seq, h, f_prev)
         if f_prev is None:  # a round's first draft: at the pending token's position
             seen.append((seq.length, head.logits_of(f_hat)[0, -1].clone()))
-        return f_hat
+        return f_hat, part, ids
 
-    drafter._deep_features = spy
+    drafter._deep_draft = spy
     drafted = 0
     try:
         for prompt in prompts:
@@ -126,7 +126,7 @@ def first_drafts_match_a_fresh_forward(ss, head, k: int, prompts: list[list[int]
             for p, logits in seen:
                 torch.testing.assert_close(logits, ref[p], atol=tol, rtol=tol)
     finally:
-        del drafter._deep_features
+        del drafter._deep_draft
     return drafted
 
 
@@ -211,20 +211,20 @@ def test_head_context_bounds_the_catch_up_and_the_head_sees_only_its_run(arch):
     drafter.head_context = context
     calls: list[int] = []
     seen: list[tuple[int, int, torch.Tensor]] = []
-    features, inner = head.features, drafter._deep_features
+    features, inner = head.features, drafter._deep_draft
 
-    def count(h, ctx, positions, state=None, tree=None):
+    def count(h, ctx, positions, state=None, tree=None, tail=None):
         if state is not None and tree is None:
             calls.append(h.shape[1])
-        return features(h, ctx, positions, state, tree)
+        return features(h, ctx, positions, state, tree, tail)
 
     def spy(seq, h, f_prev):
-        f_hat = inner(seq, h, f_prev)
+        f_hat, part, ids = inner(seq, h, f_prev)
         if f_prev is None:  # a round's first draft, at the pending token's position
             seen.append((seq.length, seq.head_state.skipped, head.logits_of(f_hat)[0, -1].clone()))
-        return f_hat
+        return f_hat, part, ids
 
-    head.features, drafter._deep_features = count, spy
+    head.features, drafter._deep_draft = count, spy
     prompt = [5, 6, 7, 5, 6, 7, 5, 6, 9, 11, 4]
     out = ss.generate(prompt, max_new_tokens=NEW)
     assert out.token_ids == hf_greedy(ss.model, prompt, NEW)
@@ -271,3 +271,92 @@ def test_release_float_keeps_drafting_on_the_packed_copies_and_refuses_training(
     h = torch.zeros(1, 1, ss.split.hidden_size)
     with pytest.raises(RuntimeError, match="released"):
         head.features(h, h, torch.zeros(1, 1, dtype=torch.long), head.new_state(4))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("quantize", [None, "Q4_0"])
+def test_draft_step_is_bit_for_bit_features_then_the_drafted_logits(arch, quantize):
+    """``draft_step`` (one compiled ``head_step`` call) gives exactly what ``features`` then ``logits_part_of`` give:
+    f^ of every row, the last row's logits over the drafted vocabulary and its ids, and the same keys and values in
+    the head's cache, call after call (1-16 rows), for one and two head layers. It declines (None) where it does not
+    apply: past 16 rows, without a trimmed vocabulary, with gradients on, and for a layout without a one-call plan
+    (Gemma 3's sandwich norms)."""
+    for layers in (1, 2):
+        ss, head = deep_ss(arch, 0, quantize=quantize, head_layers=layers, seed=3)
+        hidden, vocab = ss.split.hidden_size, ss.split.vocab_size
+        g = torch.Generator().manual_seed(layers)
+        with torch.inference_mode():
+            h, c = torch.randn(1, 2, hidden, generator=g), torch.randn(1, 2, hidden, generator=g)
+            assert head.draft_step(h, c, torch.arange(2)[None], head.new_state(8)) is None  # every row drafted
+            head.trim_vocab(torch.arange(1, vocab, 3))
+            head.prepare()
+            fused, ref = head.new_state(64), head.new_state(64)
+            if arch == "gemma3_text":  # its layers run the Python path: no plan
+                assert head.draft_step(h, c, torch.arange(2)[None], fused) is None
+                continue
+            at = 0
+            for n in (3, 1, 1, 16, 2):
+                h, c = torch.randn(1, n, hidden, generator=g), torch.randn(1, n, hidden, generator=g)
+                pos = torch.arange(at, at + n)[None]
+                got = head.draft_step(h, c, pos, fused)
+                assert got is not None, n
+                f_hat = head.features(h, c, pos, ref)
+                logits, ids = head.logits_part_of(f_hat[:, -1:])
+                assert torch.equal(got[0], f_hat) and torch.equal(got[1], logits[0, -1]) and torch.equal(got[2], ids)
+                at += n
+                for a, b in ((fused.keys, ref.keys), (fused.values, ref.values)):
+                    assert all(torch.equal(x[:, :, :at], y[:, :, :at]) for x, y in zip(a, b))
+            assert fused.lengths == ref.lengths
+            h17 = torch.randn(1, 17, hidden, generator=g)
+            assert head.draft_step(h17, h17, torch.arange(at, at + 17)[None], fused) is None
+        with torch.enable_grad():
+            assert head.draft_step(h, c, pos, fused) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_greedy_chain_drafts_through_draft_step_and_stays_lossless(arch):
+    """With a trimmed draft vocabulary a greedy chain's drafts come from the compiled ``head_step``: it runs, the
+    drafts are the same as through the two Python steps, and the output is transformers' greedy."""
+    prompt = prompt_of(9, 11)
+    runs = []
+    for fused in (True, False):
+        ss, head = deep_ss(arch, 0, quantize="Q4_0", seed=1)
+        head.trim_vocab(torch.arange(0, ss.split.vocab_size, 2))
+        head.prepare()
+        calls: list[int] = []
+
+        def spy(*args, step=head.draft_step, fused=fused, calls=calls):
+            calls.append(args[0].shape[1])
+            return step(*args) if fused else None
+
+        head.draft_step = spy
+        out = ss.generate(prompt, max_new_tokens=NEW)
+        assert out.token_ids == hf_greedy(ss.model, prompt, NEW)
+        assert calls
+        runs.append((out.stats.proposed_per_position, out.stats.accepted_per_position))
+    assert runs[0] == runs[1] and sum(runs[0][0]) > 0
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_long_catch_up_computes_only_the_last_row_and_keeps_every_key(layers):
+    """Past 16 rows (a request's first draft catches up on the prompt's last rows) the head's last layer runs
+    attention and the MLP on the last row alone (``tail``): every row's keys and values are the full call's, bit for
+    bit, and the last row's f^ equals it up to the kernels' summation order (a one-row kernel against a panel's)."""
+    ss, head = deep_ss("llama", 0, quantize="Q4_0", head_layers=layers, seed=4)
+    hidden = ss.split.hidden_size
+    g = torch.Generator().manual_seed(0)
+    h, c = torch.randn(1, 40, hidden, generator=g), torch.randn(1, 40, hidden, generator=g)
+    pos = torch.arange(40)[None]
+    mlp_rows: list[int] = []
+    with torch.inference_mode():
+        full, tail = head.new_state(64), head.new_state(64)
+        ref = head.features(h, c, pos, full)
+        layer = head._fast_block()[-1]
+        inner = layer._mlp
+        layer._mlp = lambda x, a, ops: mlp_rows.append(x.shape[1]) or inner(x, a, ops)
+        got = head.features(h, c, pos, tail, tail=1)
+        del layer._mlp
+    assert mlp_rows == [1]
+    torch.testing.assert_close(got[:, -1], ref[:, -1], atol=1e-4, rtol=1e-4)
+    for a, b in ((tail.keys, full.keys), (tail.values, full.values)):
+        assert all(torch.equal(x[:, :, :40], y[:, :, :40]) for x, y in zip(a, b))

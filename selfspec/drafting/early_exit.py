@@ -161,10 +161,12 @@ class EarlyExitDrafter(BaseDrafter):
         finals[start + 1 : end, :width] = states[:, :width]
         finals[start + 1 : end, width:] = 0
 
-    def _deep_features(self, seq: SequenceState, h: torch.Tensor, f_prev: torch.Tensor | None) -> torch.Tensor:
-        """The predicted final state ``# [1, 1, hidden]`` at the position of exit state ``h`` (the head catches up
-        on its backlog first). ``f_prev``: the predicted final state of the position before when that token is
-        itself a draft (None: it is verified, its true final state is stored)."""
+    def _deep_inputs(self, seq: SequenceState, h: torch.Tensor,
+                     f_prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the deep head reads for exit state ``h`` (its backlog first): (exit states ``# [1, n, hidden]``,
+        the previous positions' final states ``# [1, n, width]``, positions ``# [1, n]``). ``f_prev``: the predicted
+        final state of the position before when that token is itself a draft (None: it is verified, its true
+        final state is stored)."""
         start, h = self._with_backlog(seq, self._project(h, self.depth_of(seq)))
         n = h.shape[1]
         ctx = seq.extras["finals"][start : start + n].unsqueeze(0)  # [1, n, hidden]: positions start - 1 ...
@@ -172,7 +174,24 @@ class EarlyExitDrafter(BaseDrafter):
             ctx = ctx.clone()
             ctx[:, -1] = 0
             ctx[:, -1, : f_prev.shape[-1]] = f_prev[:, -1]
-        return self.head.features(h, ctx, seq.positions(start, n), seq.head_state)[:, -1:]
+        return h, ctx, seq.positions(start, n)
+
+    def _deep_features(self, seq: SequenceState, h: torch.Tensor, f_prev: torch.Tensor | None) -> torch.Tensor:
+        """The predicted final state ``# [1, 1, hidden]`` at the position of exit state ``h`` (``_deep_inputs``)."""
+        h, ctx, pos = self._deep_inputs(seq, h, f_prev)
+        return self.head.features(h, ctx, pos, seq.head_state, tail=1)[:, -1:]
+
+    def _deep_draft(self, seq: SequenceState, h: torch.Tensor, f_prev: torch.Tensor | None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A greedy draft's inputs: (f^ ``# [1, 1, hidden]`` as ``_deep_features``, the drafted vocabulary's logits
+        there ``# [V']``, their ids or None), in one compiled call where the head has one (``draft_step``)."""
+        h, ctx, pos = self._deep_inputs(seq, h, f_prev)
+        fused = self.head.draft_step(h, ctx, pos, seq.head_state)
+        if fused is not None:
+            return fused[0][:, -1:], fused[1], fused[2]
+        f_hat = self.head.features(h, ctx, pos, seq.head_state, tail=1)[:, -1:]
+        part, ids = self.head.logits_part_of(f_hat)
+        return f_hat, part[0, -1], ids
 
     def _deep_logits(self, seq: SequenceState, h: torch.Tensor, pos: int,
                      f_prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,12 +423,13 @@ class _Chain:
             self.done = True
             return
         if d.head.needs_context:
+            if not self.sampled:  # greedy: pick from the drafted vocabulary's logits as they come (lm_part)
+                self.f_hat, part, ids = d._deep_draft(seq, h, self.f_hat)
+                self.f_hats.append(self.f_hat)
+                self._pick(i, part, ids)
+                return
             self.f_hat = d._deep_features(seq, h, self.f_hat)
             self.f_hats.append(self.f_hat)
-            if not self.sampled:  # greedy: pick from the drafted vocabulary's logits as they come (lm_part)
-                part, ids = d.head.logits_part_of(self.f_hat)
-                self._pick(i, part[0, -1], ids)
-                return
             logits = d.head.logits_of(self.f_hat)[0, -1]
         else:
             logits = d._head_logits(seq, h, self.p + i)

@@ -291,8 +291,9 @@ class ExitHead(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} reads no context")
 
     def features(self, h: torch.Tensor, context: torch.Tensor, positions: torch.Tensor, state: Any = None,
-                 tree: TreeAttention | None = None) -> torch.Tensor:
-        """The predicted final states f^ ``# [batch, n, hidden]`` from exit states and earlier final states."""
+                 tree: TreeAttention | None = None, tail: int | None = None) -> torch.Tensor:
+        """The predicted final states f^ ``# [batch, n, hidden]`` from exit states and earlier final states
+        (``tail``: only the last ``tail`` rows' are wanted; the others' may then be left uncomputed)."""
         raise NotImplementedError(f"{type(self).__name__} reads no context")
 
     def logits_of(self, f_hat: torch.Tensor) -> torch.Tensor:
@@ -302,6 +303,12 @@ class ExitHead(nn.Module):
     def logits_part_of(self, f_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``logits_of`` over the drafted vocabulary only: (logits ``# [..., n]``, their ids or None, ``lm_part``)."""
         raise NotImplementedError(f"{type(self).__name__} reads no context")
+
+    def draft_step(self, h: torch.Tensor, context: torch.Tensor, positions: torch.Tensor,
+                   state: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``features`` and ``logits_part_of`` its last row in one compiled call, or None (then the caller takes the
+        two steps): (f^ ``# [1, n, hidden]``, logits ``# [V']``, their ids ``# [V']``)."""
+        return None
 
 
 class CachedHead(ExitHead):

@@ -39,6 +39,8 @@ from torch import nn
 from selfspec.errors import ExitLayerError
 from selfspec.heads.kangaroo import RMSNorm
 from selfspec.heads.layer import DecoderLayerHead
+from selfspec.kernels.build import cpu_extension
+from selfspec.kernels.linear import MAX_GEMV_ROWS
 from selfspec.models.cache import KVCache
 from selfspec.models.split import SplitModel, TreeAttention
 
@@ -60,6 +62,8 @@ class DeepContextHead(DecoderLayerHead):
         self.norm_f = RMSNorm(hidden, eps)
         self.norm_c = nn.ModuleList(RMSNorm(hidden, eps) for _ in self.context_layers)
         self.fuse = nn.Linear((2 + len(self.context_layers)) * hidden, hidden, bias=False)
+        # draft_step's compiled plan: ((its decoder layers, fuse, LM rows as packed), (ops, HeadPlan) or None)
+        self._plan: tuple[tuple[Any, Any, Any], tuple[Any, Any] | None] | None = None
         self.to(device=split.device, dtype=split.dtype)
 
     def args(self) -> dict[str, Any]:
@@ -90,6 +94,7 @@ class DeepContextHead(DecoderLayerHead):
         positions: torch.Tensor,  # [batch, n]
         state: KVCache | None = None,
         tree: TreeAttention | None = None,  # the rows are token-tree nodes (drafting a tree)
+        tail: int | None = None,  # only the last ``tail`` rows' f^ are wanted (``run_block``)
     ) -> torch.Tensor:  # [batch, n, hidden] f^, the predicted final states
         hidden = self.split.hidden_size
         context = context.to(h.dtype)
@@ -98,7 +103,56 @@ class DeepContextHead(DecoderLayerHead):
             parts.append(norm(context[..., hidden * (i + 1) : hidden * (i + 2)]) if context.shape[-1] > hidden
                          else torch.zeros_like(h))
         x = self.linear(self.fuse)(torch.cat(parts, dim=-1))
-        return self.run_block(x, positions, state, tree)
+        return self.run_block(x, positions, state, tree, tail)
+
+    def draft_step(self, h: torch.Tensor, context: torch.Tensor, positions: torch.Tensor,
+                   state: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``features`` and ``logits_part_of`` its last row in one compiled call (``head_step``,
+        ``selfspec/kernels/step.cpp``), bit for bit the two: (f^ ``# [1, n, hidden]``, the last row's logits over
+        the drafted vocabulary ``# [V']``, their ids ``# [V']``). ``h``, ``context`` ``# [1, n, hidden]``, n <= 16.
+        None where the call does not apply: training, the reference backend, a layer off the fused path, context
+        layers, a soft-capped or untrimmed LM head; the caller then takes the two steps."""
+        n = h.shape[1]
+        if n > MAX_GEMV_ROWS or h.dtype != torch.float32 or context.shape[-1] != h.shape[-1] or torch.is_grad_enabled():
+            return None
+        plan = self._head_plan()
+        if plan is None:
+            return None
+        ops, plan = plan
+        cos, sin = (t.contiguous() for t in self.split.rotary(h, positions, self._kind))
+        layers = range(self.head_layers)
+        starts = [state.reserve(i, n) for i in layers]  # first: reserving may grow (reallocate) a layer's buffers
+        f_hat, logits = ops.head_step(plan, h.contiguous(), context.contiguous(), [cos for _ in layers],
+                                      [sin for _ in layers], [state.keys[i] for i in layers],
+                                      [state.values[i] for i in layers], starts)
+        return f_hat, logits[0], self.vocab_ids
+
+    def _head_plan(self) -> tuple[Any, Any] | None:
+        """(the compiled ops, the head as one ``HeadPlan``), built once per packed weights (rebuilt when its decoder
+        layers, fuse or drafted LM rows are packed again), or None where ``draft_step`` does not apply."""
+        self.ensure_loaded()
+        if self.split.backend != "fast" or self.context_layers or self.split.softcap is not None or not len(self.vocab_ids):
+            return None
+        fast, fuse = self._fast_block(), self.linear(self.fuse)
+        if self._trim_lm is None:
+            self._trim_lm = self.split.lm_head_part(self.vocab_ids)
+        key = (fast, fuse, self._trim_lm)
+        if self._plan is not None and all(a is b for a, b in zip(self._plan[0], key)):
+            return self._plan[1]
+        ops = cpu_extension()
+        built = None
+        if ops is not None and fast is not None and all(layer.plan is not None for layer in fast):
+            fuse_plan, lm_plan = fuse.kernel_plan(ops), self._trim_lm.kernel_plan(ops)
+            if fuse_plan is not None and lm_plan is not None:
+                built = (ops, ops.HeadPlan(self.norm_h.weight.detach(), self.norm_h.eps, self.norm_f.weight.detach(),
+                                           self.norm_f.eps, fuse_plan, [layer.plan for layer in fast],
+                                           self.norm_out.weight.detach(), self.norm_out.eps, lm_plan))
+        self._plan = (key, built)
+        return built
+
+    def _drop_built(self) -> None:
+        super()._drop_built()
+        self._plan = None
 
     def project(self, h: torch.Tensor, depth: int) -> torch.Tensor:
         """Exit states -> what ``features`` reads: themselves (a nested head maps each depth, heads.nested)."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.heads.base import CachedHead
+from selfspec.kernels.build import cpu_extension
 from selfspec.models.cache import KVCache
 from selfspec.models.split import SplitModel, causal_mask
 
@@ -27,6 +28,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu":
+            ops = cpu_extension()  # drafting: one compiled call (selfspec/kernels/ops.cpp) instead of seven small ops
+            if ops is not None:
+                return ops.rms_norm(x.contiguous(), self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -62,12 +62,27 @@ class Rotary:
     """cos / sin tables of one call, laid out for ``[batch, n, heads, head_dim]`` tensors."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:  # cos, sin [batch, n, rot]
-        half = cos.shape[-1] // 2
         self.dim = cos.shape[-1]
         self.raw = (cos.contiguous(), sin.contiguous())  # for the fused op
-        self.cos = cos.unsqueeze(2)  # [batch, n, 1, rot]
-        # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), exactly
-        self.sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the unfused path's, made on first use
+
+    @property
+    def cos(self) -> torch.Tensor:  # [batch, n, 1, rot]
+        return self._unfused()[0]
+
+    @property
+    def sin(self) -> torch.Tensor:  # [batch, n, 1, rot], its first half negated
+        return self._unfused()[1]
+
+    def _unfused(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables the unfused path multiplies by (the fused op reads ``raw``: a drafted token's head call
+        builds them for nothing otherwise). rotate_half(x) * sin == roll(x, half) * (sin with its first half
+        negated), exactly."""
+        if self._tables is None:
+            cos, sin = self.raw
+            half = self.dim // 2
+            self._tables = (cos.unsqueeze(2), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2))
+        return self._tables
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [batch, n, heads, head_dim]
         if x.shape[-1] == self.dim:

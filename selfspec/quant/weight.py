@@ -283,8 +283,11 @@ class QuantWeight:
         """Rows ``ids`` ``# [R]`` dequantized: ``# [R, K]`` float32, bit for bit gguf-py's values."""
         ids = ids.reshape(-1).to(torch.long).contiguous()
         out = torch.empty(len(ids), self.shape[1], dtype=torch.float32)
-        if (ids >= self.shape[0]).any() or (ids < 0).any():
-            raise IndexError(f"row ids must be in [0, {self.shape[0]})")
+        n = self.shape[0]
+        # a decoding step's few ids checked as Python ints (four tensor ops cost more than the row itself)
+        bad = any(not 0 <= i < n for i in ids.tolist()) if len(ids) <= 64 else bool((ids >= n).any() or (ids < 0).any())
+        if bad:
+            raise IndexError(f"row ids must be in [0, {n})")
         return built_extension().qdequant(*self.kernel_args(), ids, out)
 
     def dense(self) -> torch.Tensor:
