@@ -149,6 +149,8 @@ class Engine:
                          stats: GenerationStats | None = None) -> int:
         ids = torch.tensor([[seq.pending]], dtype=torch.long, device=self.split.device)
         h = self.split.forward_all(ids, seq.positions(seq.length, 1), seq.cache)
+        if gen.greedy:  # the argmax alone (split.greedy_ids: final norm, LM head and argmax in one compiled call)
+            return core.commit_plain(seq, int(self.split.greedy_ids(h)[0, -1]), stats)[0]
         return core.commit_plain(seq, pick(self.split.logits(h)[0, -1], gen, seq.generator), stats)[0]
 
     def start_sequence(self, prompt_ids: list[int], gen: GenerateConfig, speculative: bool,

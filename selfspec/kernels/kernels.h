@@ -32,6 +32,7 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start, int64_t window,
                         double scale);
 torch::Tensor silu_mul(torch::Tensor gu);
+torch::Tensor argmax_rows(torch::Tensor x);
 
 // step.cpp: LayerPlan, run_layers
 void bind_step(pybind11::module_& m);

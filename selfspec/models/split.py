@@ -120,6 +120,7 @@ class SplitModel:
             self.fast_layers = [FastLayer(layer, i, self.windows[i]) for i, layer in enumerate(self.layers)]
             self._fast_norm = Norm(self.norm)
             self._fast_lm_head = pack_linear(self.lm_head)
+        self._greedy: tuple[tuple[Any, Any] | None] | None = None  # ``_greedy_head``'s, once built
         qhead = getattr(self.lm_head, "qweight", None) if backend == "fast" else None
         # A greedy verification's argmax through the int8 screen (selfspec/quant/screen.py): exact mode, no softcap
         self.screen = (ScreenedArgmax(qhead) if qhead is not None and self.softcap is None
@@ -284,7 +285,12 @@ class SplitModel:
         return PackedLinear([(self.lm_head.weight[ids].detach().contiguous(), None)])
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return self._fast_norm(h) if self.fast_layers else self.norm(h)
+        if not self.fast_layers:
+            return self.norm(h)
+        ops = self.fast_layers[0].ops
+        if ops is not None and h.dtype == torch.float32:  # the compiled RMSNorm, as every fast layer's own norms
+            return ops.rms_norm(h.contiguous(), self._fast_norm.weight, self._fast_norm.eps)
+        return self._fast_norm(h)
 
     def head_logits(self, h_normed: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] float32
         logits = self._fast_lm_head(h_normed) if self.fast_layers else self.lm_head(h_normed)
@@ -298,13 +304,29 @@ class SplitModel:
     def greedy_ids(self, h: torch.Tensor) -> torch.Tensor:  # [..., hidden] last-layer states -> [...] int64
         """``logits(h).argmax(-1)``, bit for bit: for 3-8 rows of a quantized LM head, through the int8 screen
         (``selfspec/quant/screen.py``: the exact kernel only on the blocks that can hold the maximum)."""
+        rows = h.numel() // h.shape[-1]
+        screened = self.screen is not None and self.screen.covers(rows)
+        if not screened and rows <= MAX_GEMV_ROWS and h.dtype == torch.float32 and rows > 0:
+            fused = self._greedy_head()
+            if fused is not None:  # the final norm, the LM head and the argmax in one compiled call, the same ops
+                return fused[0].greedy_head(fused[1], h.reshape(rows, h.shape[-1])).view(h.shape[:-1])
         x = self.final_norm(h)
-        rows = x.numel() // x.shape[-1]
-        if self.screen is not None and self.screen.covers(rows):
+        if screened:
+            assert self.screen is not None
             ids = self.screen.argmax(x.reshape(rows, x.shape[-1]).float())
             if ids is not None:
                 return ids.view(x.shape[:-1])
         return greedy(self.head_logits(x))
+
+    def _greedy_head(self) -> tuple[Any, Any] | None:
+        """(the compiled ops, ``GreedyHead``: final norm, LM head, argmax; ``selfspec/kernels/step.cpp``) for a
+        greedy step's rows, built once; None off the fast layers' compiled path or with a soft-capped LM head."""
+        if self._greedy is None:
+            ops = self.fast_layers[0].ops if self.fast_layers else None
+            lm = self._fast_lm_head.kernel_plan(ops) if ops is not None and self.softcap is None else None
+            self._greedy = (None if lm is None else
+                            (ops, ops.GreedyHead(self._fast_norm.weight, self._fast_norm.eps, lm)),)
+        return self._greedy[0]
 
     def forward_all(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Plain full forward of new tokens (all layers), returning the final hidden states."""
