@@ -322,7 +322,7 @@ class SplitModel:
         """(the compiled ops, ``GreedyHead``: final norm, LM head, argmax; ``selfspec/kernels/step.cpp``) for a
         greedy step's rows, built once; None off the fast layers' compiled path or with a soft-capped LM head."""
         if self._greedy is None:
-            ops = self.fast_layers[0].ops if self.fast_layers else None
+            ops: Any = self.fast_layers[0].ops if self.fast_layers else None
             lm = self._fast_lm_head.kernel_plan(ops) if ops is not None and self.softcap is None else None
             self._greedy = (None if lm is None else
                             (ops, ops.GreedyHead(self._fast_norm.weight, self._fast_norm.eps, lm)),)
