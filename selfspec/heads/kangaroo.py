@@ -28,7 +28,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu":
+        if (not torch.is_grad_enabled() and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and x.device.type == "cpu"):
             ops = cpu_extension()  # drafting: one compiled call (selfspec/kernels/ops.cpp) instead of seven small ops
             if ops is not None:
                 return ops.rms_norm(x.contiguous(), self.weight, self.eps)
