@@ -4,6 +4,8 @@ a GGUF loaded natively is the float32 conversion's model token for token; bad fi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -302,8 +304,8 @@ def test_a_greedy_step_takes_the_final_norm_lm_head_and_argmax_in_one_call(one_t
     assert fused is not None
     calls: list[int] = []
     real = ops.greedy_head
-    split._greedy = ((type("Spy", (), {"greedy_head": staticmethod(
-        lambda plan, h: calls.append(h.shape[0]) or real(plan, h))})(), fused[1]),)
+    spy = SimpleNamespace(greedy_head=lambda plan, h: calls.append(h.shape[0]) or real(plan, h))
+    split._greedy = ((spy, fused[1]),)
     h = torch.randn(1, 20, split.hidden_size, generator=torch.Generator().manual_seed(1)) * 3
     with torch.inference_mode():
         norm = split._fast_norm

@@ -305,15 +305,14 @@ class SplitModel:
         """``logits(h).argmax(-1)``, bit for bit: for 3-8 rows of a quantized LM head, through the int8 screen
         (``selfspec/quant/screen.py``: the exact kernel only on the blocks that can hold the maximum)."""
         rows = h.numel() // h.shape[-1]
-        screened = self.screen is not None and self.screen.covers(rows)
-        if not screened and rows <= MAX_GEMV_ROWS and h.dtype == torch.float32 and rows > 0:
+        screen = self.screen if self.screen is not None and self.screen.covers(rows) else None
+        if screen is None and 0 < rows <= MAX_GEMV_ROWS and h.dtype == torch.float32:
             fused = self._greedy_head()
             if fused is not None:  # the final norm, the LM head and the argmax in one compiled call, the same ops
                 return fused[0].greedy_head(fused[1], h.reshape(rows, h.shape[-1])).view(h.shape[:-1])
         x = self.final_norm(h)
-        if screened:
-            assert self.screen is not None
-            ids = self.screen.argmax(x.reshape(rows, x.shape[-1]).float())
+        if screen is not None:
+            ids = screen.argmax(x.reshape(rows, x.shape[-1]).float())
             if ids is not None:
                 return ids.view(x.shape[:-1])
         return greedy(self.head_logits(x))
