@@ -147,6 +147,10 @@ class Engine:
 
     def decode_one_token(self, seq: SequenceState, gen: GenerateConfig,
                          stats: GenerationStats | None = None) -> int:
+        if gen.greedy:  # the whole step in one compiled call where it applies (split.greedy_step)
+            nxt = self.split.greedy_step(seq.pending, seq.length, seq.cache)
+            if nxt is not None:
+                return core.commit_plain(seq, nxt, stats)[0]
         ids = torch.tensor([[seq.pending]], dtype=torch.long, device=self.split.device)
         h = self.split.forward_all(ids, seq.positions(seq.length, 1), seq.cache)
         if gen.greedy:  # the argmax alone (split.greedy_ids: final norm, LM head and argmax in one compiled call)

@@ -119,7 +119,7 @@ class DeepContextHead(DecoderLayerHead):
         if plan is None:
             return None
         ops, plan = plan
-        cos, sin = (t.contiguous() for t in self.split.rotary(h, positions, self._kind))
+        cos, sin = self.split.rotary_rows(h, positions, self._kind)
         layers = range(self.head_layers)
         starts = [state.reserve(i, n) for i in layers]  # first: reserving may grow (reallocate) a layer's buffers
         f_hat, logits = ops.head_step(plan, h.contiguous(), context.contiguous(), [cos for _ in layers],

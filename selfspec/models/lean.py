@@ -117,6 +117,8 @@ class LeanRMSNorm(nn.Module):
 class LeanRotary(nn.Module):
     """Rotary cos / sin tables as transformers' RotaryEmbedding of the architecture computes them."""
 
+    positions_only = True  # cos, sin of a position depend on it alone (``selfspec.models.split.static_rope``)
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

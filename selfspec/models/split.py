@@ -30,11 +30,13 @@ from selfspec.errors import InvalidConfigError, UnsupportedArchitectureError
 from selfspec.kernels.linear import MAX_GEMV_ROWS, PackedLinear, kernel_name, pack_linear
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Norm, Rotary, Segment
-from selfspec.quant.modules import is_quantized, weight_rows
+from selfspec.quant.modules import QuantEmbedding, is_quantized, weight_rows
 from selfspec.quant.screen import ScreenedArgmax
+from selfspec.quant.weight import QuantWeight
 from selfspec.sampling import greedy
 
 BACKENDS = ("fast", "reference")
+ROTARY_TABLE_MIN = 512  # positions a rotary table holds at first (it doubles as a sequence outgrows it)
 
 # model_type -> human name. The layer-split forward relies on the Llama-style layout
 # (model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head).
@@ -121,6 +123,11 @@ class SplitModel:
             self._fast_norm = Norm(self.norm)
             self._fast_lm_head = pack_linear(self.lm_head)
         self._greedy: tuple[tuple[Any, Any] | None] | None = None  # ``_greedy_head``'s, once built
+        # per (layer kind, dtype): cos, sin ``# [1, positions, rot]`` of positions 0, 1, ... (``rotary_rows``)
+        self._rotary_tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._static_rope = static_rope(self.rotary_emb)
+        self._probe = torch.zeros(1, dtype=torch.float32, device=self.device)  # the dtype a float32 step's tables take
+        self._plain: tuple[tuple[Any, Any, list[str]] | None] | None = None  # ``_plain_step``'s, once built
         qhead = getattr(self.lm_head, "qweight", None) if backend == "fast" else None
         # A greedy verification's argmax through the int8 screen (selfspec/quant/screen.py): exact mode, no softcap
         self.screen = (ScreenedArgmax(qhead) if qhead is not None and self.softcap is None
@@ -131,6 +138,33 @@ class SplitModel:
                kind: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of ``positions`` ``# [batch, n]`` for layers of ``kind`` (Gemma 3 has one table per kind)."""
         return self.rotary_emb(h, positions, kind) if self._rotary_by_type else self.rotary_emb(h, positions)
+
+    def rotary_rows(self, h: torch.Tensor, positions: torch.Tensor,
+                    kind: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary`` for one sequence's consecutive positions ``# [1, n]``, contiguous: rows of a table computed
+        once per layer kind (the same function on positions 0, 1, ...; every row is elementwise, so it equals a
+        call's bit for bit, tested). A step's own call ran ~7 small ops with cold caches, ~0.13 ms of an 17 ms
+        Qwen2.5-0.5B step. Other positions (a tree's, a batch), or a rotary that depends on the longest position
+        seen (dynamic NTK, LongRoPE), take the call."""
+        n = positions.shape[-1]
+        first = int(positions[0, 0]) if positions.shape[0] == 1 and n > 0 else -1
+        if (first < 0 or not self._static_rope or
+                (n > 1 and positions[0].tolist() != list(range(first, first + n)))):
+            c, s = self.rotary(h, positions, kind)
+            return c.contiguous(), s.contiguous()
+        cos, sin = self._rotary_table(kind, h, first + n)
+        return cos[:, first : first + n], sin[:, first : first + n]
+
+    def _rotary_table(self, kind: str, h: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``# [1, >= end, rot]`` of positions 0, 1, ... for layers of ``kind`` in ``h``'s dtype, computed
+        by ``rotary`` once and again (twice the size) only when a sequence outgrows it."""
+        key = (kind, h.dtype)
+        table = self._rotary_tables.get(key)
+        if table is None or table[0].shape[1] < end:
+            size = max(end, ROTARY_TABLE_MIN, 2 * table[0].shape[1] if table is not None else 0)
+            c, s = self.rotary(h, torch.arange(size, device=h.device).unsqueeze(0), kind)
+            table = self._rotary_tables[key] = (c.contiguous(), s.contiguous())
+        return table
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device, batch)
@@ -234,8 +268,7 @@ class SplitModel:
         for i in range(start, end):
             kind = self.layer_types[i]
             if kind not in tables:
-                c, s = self.rotary(h, positions, kind)
-                tables[kind] = (c.contiguous(), s.contiguous())
+                tables[kind] = self.rotary_rows(h, positions, kind)
             cos.append(tables[kind][0])
             sin.append(tables[kind][1])
             starts.append(cache.reserve(i, n))  # first: reserving may grow (reallocate) this layer's buffers
@@ -327,9 +360,64 @@ class SplitModel:
                             (ops, ops.GreedyHead(self._fast_norm.weight, self._fast_norm.eps, lm)),)
         return self._greedy[0]
 
+    def greedy_step(self, token: int, position: int, cache: KVCache) -> int | None:
+        """A plain greedy step in one compiled call (``greedy_step``, ``selfspec/kernels/step.cpp``): ``token`` at
+        ``position`` through every layer, its keys and values appended to ``cache``; -> the next token, bit for bit
+        ``greedy_ids(forward_all(...))``. None (nothing done) where the call does not apply: off the fast layers'
+        compiled path, a batched cache, a scaled embedding (Gemma), a rotary that is not a fixed table, a
+        soft-capped LM head."""
+        built = self._plain_step() if cache.keys[0].shape[0] == 1 else None
+        if built is None:
+            return None
+        if not 0 <= token < self.vocab_size:
+            raise IndexError(f"token id {token} out of range [0, {self.vocab_size})")
+        ops, plan, kinds = built
+        tables = [self._rotary_table(kind, self._probe, position + 1) for kind in kinds]
+        starts = [cache.reserve(i, 1) for i in range(self.num_layers)]  # reserving may grow a layer's buffers
+        return ops.greedy_step(plan, token, position, [t[0] for t in tables], [t[1] for t in tables], cache.keys,
+                               cache.values, starts)
+
+    def _plain_step(self) -> tuple[Any, Any, list[str]] | None:
+        """(the compiled ops, ``PlainStep``, its rotary kinds in table order), built once, or None where
+        ``greedy_step`` does not apply."""
+        if self._plain is None:
+            self._plain = (self._build_plain_step(),)
+        return self._plain[0]
+
+    def _build_plain_step(self) -> tuple[Any, Any, list[str]] | None:
+        greedy = self._greedy_head()
+        plans = [layer.plan for layer in self.fast_layers]
+        if greedy is None or not plans or any(p is None for p in plans) or not self._static_rope:
+            return None
+        ops, head = greedy
+        embed: Any = self.embed_tokens
+        q = getattr(embed, "qweight", None)
+        if isinstance(embed, QuantEmbedding) and embed.embed_scale is None and isinstance(q, QuantWeight):
+            args: tuple = (0, *q.kernel_args())
+        elif (isinstance(embed, nn.Embedding) and type(embed).forward is nn.Embedding.forward  # a plain lookup
+              and embed.max_norm is None and embed.weight.dtype == torch.float32):
+            empty = torch.empty(0)
+            args = (2, embed.weight.detach().contiguous(), empty, empty, 0, 0, 0.0)
+        else:
+            return None
+        kinds = list(dict.fromkeys(self.layer_types))
+        plan = ops.PlainStep(plans, [kinds.index(k) for k in self.layer_types], len(kinds), *args, self.vocab_size,
+                             head)
+        return ops, plan, kinds
+
     def forward_all(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Plain full forward of new tokens (all layers), returning the final hidden states."""
         return self.run_layers(self.embed(ids), 0, self.num_layers, positions, cache)
+
+
+def static_rope(rotary: nn.Module) -> bool:
+    """Whether a rotary embedding's cos and sin depend on the positions alone; not so for the types transformers
+    updates with the longest position seen (dynamic NTK, LongRoPE), nor for a module that does not say its type."""
+    if getattr(rotary, "positions_only", False):  # selfspec's lean models' (selfspec.models.lean.LeanRotary)
+        return True
+    kinds = getattr(rotary, "rope_type", None)
+    kinds = list(kinds.values()) if isinstance(kinds, dict) else [kinds]
+    return all(isinstance(k, str) and "dynamic" not in k and k != "longrope" for k in kinds)
 
 
 def causal_mask(q_len: int, kv_len: int, window: int | None, device: torch.device | str) -> torch.Tensor | None:
