@@ -303,9 +303,10 @@ class EarlyExitDrafter(BaseDrafter):
             for k in sorted({c.k for c in live}):
                 group = [c for c in live if c.k == k]
                 ids = torch.tensor([[c.tok for c in group]], dtype=torch.long, device=split.device)  # [1, n]
-                hs = split.run_layers_batch(list(split.embed(ids).split(1, dim=1)), 0, k,
-                                            [c.seq.positions(c.p + len(c.states), 1) for c in group],
-                                            [c.seq.cache for c in group])
+                rows = split.embed(ids)
+                hs = ([rows] if len(group) == 1 else list(rows.split(1, dim=1))) if k == 0 else split.run_layers_batch(
+                    list(rows.split(1, dim=1)), 0, k, [c.seq.positions(c.p + len(c.states), 1) for c in group],
+                    [c.seq.cache for c in group])  # exit layer 0: the embeddings are the exit states
                 for c, h in zip(group, hs):
                     c.advance(h)
         return [c.block() for c in chains]

@@ -126,6 +126,10 @@ class SplitModel:
         # per (layer kind, dtype): cos, sin ``# [1, positions, rot]`` of positions 0, 1, ... (``rotary_rows``)
         self._rotary_tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._static_rope = static_rope(self.rotary_emb)
+        embed: Any = self.embed_tokens
+        self._embed_rows: QuantWeight | None = (  # ``embed``'s table when a lookup of it is all the module does
+            embed.qweight if isinstance(embed, QuantEmbedding) and embed.embed_scale is None
+            and isinstance(embed.qweight, QuantWeight) else None)
         self._probe = torch.zeros(1, dtype=torch.float32, device=self.device)  # the dtype a float32 step's tables take
         self._plain: tuple[tuple[Any, Any, list[str]] | None] | None = None  # ``_plain_step``'s, once built
         qhead = getattr(self.lm_head, "qweight", None) if backend == "fast" else None
@@ -170,6 +174,8 @@ class SplitModel:
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device, batch)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # ids [batch, n] -> [batch, n, hidden]
+        if self._embed_rows is not None:  # a quantized table's rows, without the module call around them
+            return self._embed_rows.rows(ids.reshape(-1)).view(*ids.shape, self.hidden_size)
         return self.embed_tokens(ids)
 
     def run_layers(

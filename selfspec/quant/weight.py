@@ -281,7 +281,8 @@ class QuantWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` ``# [R]`` dequantized: ``# [R, K]`` float32, bit for bit gguf-py's values."""
-        ids = ids.reshape(-1).to(torch.long).contiguous()
+        if ids.dim() != 1 or ids.dtype != torch.long or not ids.is_contiguous():  # a step's ids: no op to make
+            ids = ids.reshape(-1).to(torch.long).contiguous()
         out = torch.empty(len(ids), self.shape[1], dtype=torch.float32)
         n = self.shape[0]
         # a decoding step's few ids checked as Python ints (four tensor ops cost more than the row itself)
