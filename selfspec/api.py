@@ -145,9 +145,15 @@ class SelfSpec:
     # ---- generation -------------------------------------------------------------------
     def stream(self, prompt: Prompt, config: GenerateConfig | None = None, **overrides: Any) -> Iterator[StreamEvent]:
         """Yield text as tokens are accepted; the last event carries the full result."""
+        return self._events(prompt, config, True, **overrides)
+
+    def _events(self, prompt: Prompt, config: GenerateConfig | None, incremental: bool,
+                **overrides: Any) -> Iterator[StreamEvent]:
+        """``stream``'s events; ``incremental`` False: only the last one's result is read (its text is decoded once
+        at the end unless stop strings are looked for: ``RequestOutput``)."""
         cfg = self.resolve(config, **overrides)
         ids = self.encode(prompt)
-        output = RequestOutput(self.tokenizer, cfg)
+        output = RequestOutput(self.tokenizer, cfg, incremental=incremental)
         if self.pipeline is not None and cfg.method == "selfspec":  # use_pipeline: PPSD / Mirror-SD
             blocks = self.pipeline.tokens(ids, cfg, output.stats)
         else:
@@ -200,7 +206,7 @@ class SelfSpec:
     def generate(self, prompt: Prompt, config: GenerateConfig | None = None, **overrides: Any) -> GenerationResult:
         """Generate a completion; returns text, token ids and stats."""
         result = None
-        for ev in self.stream(prompt, config, **overrides):
+        for ev in self._events(prompt, config, False, **overrides):
             result = ev.result
         assert result is not None
         return result

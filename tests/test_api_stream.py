@@ -45,6 +45,7 @@ def test_stream_equals_generate_and_stops(default_ss):
     assert "".join(e.text for e in events) == full.text
     assert sum((e.token_ids for e in events), []) == full.token_ids
     assert events[-1].result is not None and events[-1].result.text == full.text
+    assert full.text == ss.tokenizer.decode(full.token_ids, skip_special_tokens=True)  # generate decodes once
     assert full.stats.steps >= 1 and full.stats.new_tokens == len(full.token_ids)
     plain = ss.generate(MSG, max_new_tokens=48, method="plain")
     assert plain.token_ids == full.token_ids and plain.stats.mean_accepted_length == 1.0
@@ -125,3 +126,30 @@ def test_textstream_window_keeps_sentencepiece_spaces():
     ids = [1, 2, 3, 4, 5, 6, 2, 1, 3]
     ts = TextStream(Tok())
     assert "".join(ts.push(i) for i in ids) + ts.flush() == backend.decode(ids) == "hello world! ab world hello!"
+
+
+@pytest.mark.parametrize("stop", [None, ["lazy"]])
+def test_an_output_nobody_streams_decodes_once_and_gives_the_same_result(default_ss, stop):
+    """``RequestOutput(incremental=False)`` (what ``generate`` uses) hands out no text until the end, then the
+    same result as the incremental one: text, ids and finish at an EOS; with stop strings it stays incremental."""
+    from selfspec.config import GenerateConfig
+    from selfspec.outputs import RequestOutput
+
+    tok = default_ss.tokenizer
+    ids = tok.encode("The quick brown fox jumps over the lazy dog, caf\u00e9 \u00fcber alles.")
+    eos = tok.eos_token_id
+    cfg = GenerateConfig(eos_token_ids=[eos], stop=stop)
+    results = []
+    for incremental in (True, False):
+        out = RequestOutput(tok, cfg, incremental=incremental)
+        assert out.lazy == (not incremental and stop is None)
+        events = [out.push(ids[i : i + 3]) for i in range(0, len(ids), 3) if not out.finished]
+        if not out.finished:
+            events.append(out.push([eos, 5]))
+        if out.lazy:
+            assert all(e.text == "" for e in events[:-1])
+        res = events[-1].result
+        assert res is not None
+        results.append((res.text, res.token_ids, res.finish_reason, "".join(e.text for e in events)))
+    assert results[0] == results[1]
+    assert results[0][2] == "stop" and results[0][0] == results[0][3]
