@@ -151,9 +151,8 @@ class SplitModel:
         Qwen2.5-0.5B step. Other positions (a tree's, a batch), or a rotary that depends on the longest position
         seen (dynamic NTK, LongRoPE), take the call."""
         n = positions.shape[-1]
-        first = int(positions[0, 0]) if positions.shape[0] == 1 and n > 0 else -1
-        if (first < 0 or not self._static_rope or
-                (n > 1 and positions[0].tolist() != list(range(first, first + n)))):
+        first = consecutive(positions) if self._static_rope else None
+        if first is None:
             c, s = self.rotary(h, positions, kind)
             return c.contiguous(), s.contiguous()
         cos, sin = self._rotary_table(kind, h, first + n)
@@ -414,6 +413,15 @@ class SplitModel:
     def forward_all(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Plain full forward of new tokens (all layers), returning the final hidden states."""
         return self.run_layers(self.embed(ids), 0, self.num_layers, positions, cache)
+
+
+def consecutive(positions: torch.Tensor) -> int | None:
+    """The first of one sequence's consecutive positions ``# [1, n]`` (a causal step's), or None (a tree's, a batch's)."""
+    n = positions.shape[-1]
+    if positions.dim() != 2 or positions.shape[0] != 1 or n == 0:
+        return None
+    first = int(positions[0, 0])
+    return first if n == 1 or positions[0].tolist() == list(range(first, first + n)) else None
 
 
 def static_rope(rotary: nn.Module) -> bool:
