@@ -197,6 +197,12 @@ class Engine:
         """One round: propose (chain, lookup match or tree), the block's rows through the layers it has not
         been through, verify, commit. -> the emitted tokens."""
         block = self.propose(seq, gen, max_drafts, max_drafts if limit is None else limit)
+        drafter = self.need_drafter()
+        if (gen.greedy and not block.tokens and block.exit_states is None and block.tree is None
+                and not drafter.reads_final_states):  # nothing drafted, nothing to keep: a plain step's one call
+            nxt = self.split.greedy_step(seq.pending, seq.length, seq.cache)
+            if nxt is not None:
+                return core.commit(seq, drafter, block, 0, nxt, None, stats)
         r = self.ride_of(seq, block)
         h, ctx = core.through_layers(self.split, r, self.need_drafter().context_layers)
         return self.accept(seq, gen, block, h, stats, context=ctx)

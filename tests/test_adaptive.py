@@ -375,12 +375,17 @@ def test_when_no_early_exit_draft_pays_only_lookup_drafts_unless_exploring():
         return run_layers(h, start, end, *a, **kw)
 
     split.run_layers = spy
+    steps = []  # a round with nothing drafted is a plain step's one compiled call (split.greedy_step)
+    greedy_step = split.greedy_step
+    split.greedy_step = lambda *a: steps.append(a[1]) or greedy_step(*a)
     ss.engine.drafter.propose_chains = None  # calling it would raise
+    assert not ss.engine.drafter.reads_final_states
     try:
         out = ss.generate(prompt, max_new_tokens=40, ignore_eos=True)
     finally:
-        del split.run_layers, ss.engine.drafter.propose_chains
+        del split.run_layers, split.greedy_step, ss.engine.drafter.propose_chains
     assert out.token_ids == ref and out.stats.draft_depths == {} and out.stats.lookup_steps > 0
+    assert len(steps) == out.stats.steps - out.stats.lookup_steps > 0
     L = split.num_layers
     assert set(spans) == {(0, L)}  # the prefill's pass too: it keeps no exit states (Engine.capture_depth)
     ss.set_draft(DraftConfig(head="lm", exit_layer=1, explore=True))

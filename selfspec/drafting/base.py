@@ -56,6 +56,11 @@ class Drafter(Protocol):
         """Target layers whose states of the verified tokens the drafter keeps besides the last layer's (a deep
         head's fused features, ``heads.deep``): verification and the prefill capture them ([]: none)."""
 
+    @property
+    def reads_final_states(self) -> bool:
+        """Whether ``accepted`` reads the verification's last-layer states (a head that drafts from them); if not,
+        a round with nothing drafted is a plain step (``Engine.speculative_step``: one compiled call, no states)."""
+
     def begin(self, seq: SequenceState, seed: int | None) -> None:
         """Before a request's prefill: its own per-request state (e.g. a seeded adaptive policy)."""
 
@@ -120,6 +125,10 @@ class BaseDrafter:
     @property
     def context_layers(self) -> list[int]:
         return []
+
+    @property
+    def reads_final_states(self) -> bool:
+        return True  # a subclass's ``accepted`` may read them; one that does not can say so
 
     def begin(self, seq: SequenceState, seed: int | None) -> None:
         return None

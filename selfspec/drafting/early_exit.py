@@ -141,6 +141,11 @@ class EarlyExitDrafter(BaseDrafter):
             finals[first + 1 : first + n + 1] = prompt_final_states[0]
             seq.extras["finals"] = finals
 
+    @property
+    def reads_final_states(self) -> bool:
+        """Only a drafting head that is stateful or reads the verified tokens' final states (``accepted``)."""
+        return self.head_drafts and (self.head.stateful or self.head.needs_context)
+
     def prompt_rows_needed(self) -> int | None:
         """A stateless head reads nothing of the prompt; a stateful one its last ``head_context`` exit states (a
         deep-context head also the final state before them): the rows a prefill after a cached prefix must
