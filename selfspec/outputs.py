@@ -67,7 +67,7 @@ class RequestOutput:
             if tok in self.eos:
                 return self._final(delta + self.text.flush(), delta_ids, "stop")
             if self.lazy:
-                self.text.ids.append(tok)  # decoded in one piece by the final flush
+                self.text.add(tok)  # decoded in one piece by the final flush
                 continue
             delta += self.text.push(tok)
             if self.text.stopped:

@@ -73,6 +73,11 @@ class TextStream:
         delta, self.sent = text[self.sent : ready], ready
         return delta
 
+    def add(self, token_id: int) -> None:
+        """Add one token without decoding it: the final ``flush`` decodes every added one in one piece (no stop
+        strings are looked for in between)."""
+        self.ids.append(token_id)
+
     def flush(self) -> str:
         """At the end of generation: whatever was held back (an unfinished stop-string prefix is text, an
         unfinished character its U+FFFD, as the whole text's decoding has them)."""

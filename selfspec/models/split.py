@@ -147,7 +147,7 @@ class SplitModel:
                     kind: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
         """``rotary`` for one sequence's consecutive positions ``# [1, n]``, contiguous: rows of a table computed
         once per layer kind (the same function on positions 0, 1, ...; every row is elementwise, so it equals a
-        call's bit for bit, tested). A step's own call ran ~7 small ops with cold caches, ~0.13 ms of an 17 ms
+        call's bit for bit, tested). A step's own call ran ~7 small ops with cold caches, ~0.13 ms of a 17 ms
         Qwen2.5-0.5B step. Other positions (a tree's, a batch), or a rotary that depends on the longest position
         seen (dynamic NTK, LongRoPE), take the call."""
         n = positions.shape[-1]
