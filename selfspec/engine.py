@@ -204,7 +204,7 @@ class Engine:
             if nxt is not None:
                 return core.commit(seq, drafter, block, 0, nxt, None, stats)
         r = self.ride_of(seq, block)
-        h, ctx = core.through_layers(self.split, r, self.need_drafter().context_layers)
+        h, ctx = core.through_layers(self.split, r, drafter.context_layers)
         return self.accept(seq, gen, block, h, stats, context=ctx)
 
     def accept(self, seq: SequenceState, gen: GenerateConfig, block: DraftBlock, h: torch.Tensor,

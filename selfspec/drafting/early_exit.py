@@ -309,9 +309,9 @@ class EarlyExitDrafter(BaseDrafter):
                 group = [c for c in live if c.k == k]
                 ids = torch.tensor([[c.tok for c in group]], dtype=torch.long, device=split.device)  # [1, n]
                 rows = split.embed(ids)
-                hs = ([rows] if len(group) == 1 else list(rows.split(1, dim=1))) if k == 0 else split.run_layers_batch(
-                    list(rows.split(1, dim=1)), 0, k, [c.seq.positions(c.p + len(c.states), 1) for c in group],
-                    [c.seq.cache for c in group])  # exit layer 0: the embeddings are the exit states
+                parts = [rows] if len(group) == 1 else list(rows.split(1, dim=1))  # per sequence [1, 1, hidden]
+                hs = parts if k == 0 else split.run_layers_batch(  # exit layer 0: the embeddings are the exit states
+                    parts, 0, k, [c.seq.positions(c.p + len(c.states), 1) for c in group], [c.seq.cache for c in group])
                 for c, h in zip(group, hs):
                     c.advance(h)
         return [c.block() for c in chains]

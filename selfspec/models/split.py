@@ -396,9 +396,8 @@ class SplitModel:
             return None
         ops, head = greedy
         embed: Any = self.embed_tokens
-        q = getattr(embed, "qweight", None)
-        if isinstance(embed, QuantEmbedding) and embed.embed_scale is None and isinstance(q, QuantWeight):
-            args: tuple = (0, *q.kernel_args())
+        if self._embed_rows is not None:  # a quantized table's rows (``embed``'s check)
+            args: tuple = (0, *self._embed_rows.kernel_args())
         elif (isinstance(embed, nn.Embedding) and type(embed).forward is nn.Embedding.forward  # a plain lookup
               and embed.max_norm is None and embed.weight.dtype == torch.float32):
             empty = torch.empty(0)
