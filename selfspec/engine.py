@@ -176,10 +176,11 @@ class Engine:
         return self.tree_width > 1 and max_drafts > 0 and self.need_drafter().supports_tree
 
     def propose(self, seq: SequenceState, gen: GenerateConfig, max_drafts: int, limit: int) -> DraftBlock:
-        """This round's block: a token tree, or the drafter's chain (a lookup match when there is one)."""
+        """This round's block: a token tree, or the drafter's chain (a lookup match when there is one; a blank
+        round's block may carry the target's verdict, ``Drafter.propose_or_step``)."""
         if self.drafts_tree(max_drafts):
             return self.propose_tree(seq, max_drafts, limit)
-        return self.need_drafter().propose(seq, max_drafts, gen, limit=limit)
+        return self.need_drafter().propose_or_step(seq, max_drafts, gen, limit=limit)
 
     def propose_tree(self, seq: SequenceState, depth: int, limit: int) -> DraftBlock:
         """A token tree of at most ``depth`` levels (capped so its head-drafted nodes fit MAX_TREE_NODES)."""
@@ -198,6 +199,8 @@ class Engine:
         been through, verify, commit. -> the emitted tokens."""
         block = self.propose(seq, gen, max_drafts, max_drafts if limit is None else limit)
         drafter = self.need_drafter()
+        if block.verdict is not None:  # a blank round whose drafting call ran the plain step too (propose_or_step)
+            return core.commit(seq, drafter, block, 0, *block.verdict, stats)
         if (gen.greedy and not block.tokens and block.exit_states is None and block.tree is None
                 and not drafter.reads_final_states):  # nothing drafted, nothing to keep: a plain step's one call
             nxt = self.split.greedy_step(seq.pending, seq.length, seq.cache)

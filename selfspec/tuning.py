@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import statistics
 import time
@@ -141,6 +142,9 @@ class _Recorder(FixedPolicy):
     def keep(self, index: int, top1_prob: float) -> bool:
         self._confs.append(top1_prob)
         return True
+
+    def first_bar(self) -> float | None:
+        return -math.inf  # keeps every draft (keep is still called with the first draft's confidence: recorded)
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.rounds.append((self._confs[:proposed] or [1.0] * proposed, accepted))

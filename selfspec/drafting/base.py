@@ -36,6 +36,9 @@ class DraftBlock:
     # A deep-context head's predicted final states of the drafted rows' positions, f^(p + i) for the rows
     # whose head ran ``# [1, n, hidden]`` (the pipeline drafts ahead from them before the true ones exist).
     predicted_finals: torch.Tensor | None = None
+    # The target's verdict, when the drafter's call already ran the pending token's whole step (``propose_or_step``:
+    # a blank round's one compiled call): (the next token, the pending token's final state ``# [1, 1, hidden]``)
+    verdict: tuple[int, torch.Tensor] | None = None
 
 
 class Drafter(Protocol):
@@ -99,6 +102,12 @@ class Drafter(Protocol):
         """Up to ``max_drafts`` tokens after ``seq.pending`` (free drafts such as lookup matches up to
         ``limit``); may write the shallow layers' KV cache."""
 
+    def propose_or_step(self, seq: SequenceState, max_drafts: int, gen: GenerateConfig,
+                        limit: int | None = None) -> DraftBlock:
+        """``propose``, but a round that ends with no draft may also have run the pending token's step through every
+        layer in the same call: its block then carries the target's verdict (``DraftBlock.verdict``), the
+        pending token's keys and values are in the cache, and the round only commits it (``Engine``)."""
+
     def propose_chains(self, seqs: list[SequenceState], max_drafts: list[int], gens: list[GenerateConfig],
                        depths: list[int] | None = None) -> list[DraftBlock]:
         """One chain per sequence (a batched round), each equal to that sequence's own ``propose``."""
@@ -161,6 +170,10 @@ class BaseDrafter:
     def propose(self, seq: SequenceState, max_drafts: int, gen: GenerateConfig,
                 limit: int | None = None) -> DraftBlock:
         raise NotImplementedError
+
+    def propose_or_step(self, seq: SequenceState, max_drafts: int, gen: GenerateConfig,
+                        limit: int | None = None) -> DraftBlock:
+        return self.propose(seq, max_drafts, gen, limit=limit)
 
     def propose_chains(self, seqs: list[SequenceState], max_drafts: list[int], gens: list[GenerateConfig],
                        depths: list[int] | None = None) -> list[DraftBlock]:

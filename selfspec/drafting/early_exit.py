@@ -213,13 +213,19 @@ class EarlyExitDrafter(BaseDrafter):
 
     def _with_backlog(self, seq: SequenceState, h: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(first position, exit states) a stateful head consumes next: the backlog it has not seen, then ``h``."""
+        start, backlog = self._take_backlog(seq)
+        return start, h if backlog is None else torch.cat([backlog, h], dim=1)
+
+    def _take_backlog(self, seq: SequenceState) -> tuple[int, torch.Tensor | None]:
+        """(first position, the rows ``# [1, b, hidden]`` or None) a stateful head consumes before its next exit
+        state: the backlog it has not seen, at most ``head_context`` rows of it (the head skips the oldest others)."""
         backlog, seq.head_backlog = seq.head_backlog, None
         if backlog is not None and self.head_context is not None and backlog.shape[1] > self.head_context:
             self.head.skip(seq.head_state, backlog.shape[1] - self.head_context)  # the oldest rows: never seen
             backlog = backlog[:, backlog.shape[1] - self.head_context :]
-        if backlog is not None and backlog.shape[1] > 0:
-            h = torch.cat([backlog, h], dim=1)
-        return self.head.seen(seq.head_state), h
+        if backlog is not None and backlog.shape[1] == 0:
+            backlog = None
+        return self.head.seen(seq.head_state), backlog
 
     def _ngram_index(self, seq: SequenceState) -> NgramIndex:
         """The sequence's n-gram index (rebuilt when its token list was replaced)."""
@@ -286,6 +292,17 @@ class EarlyExitDrafter(BaseDrafter):
 
     def propose(self, seq: SequenceState, max_drafts: int, gen: GenerateConfig,
                 limit: int | None = None) -> DraftBlock:
+        return self._propose(seq, max_drafts, gen, limit, step=False)
+
+    def propose_or_step(self, seq: SequenceState, max_drafts: int, gen: GenerateConfig,
+                        limit: int | None = None) -> DraftBlock:
+        """``propose`` where a greedy chain's first draft comes from one compiled call with the deep head
+        (``DeepContextHead.draft_or_step``): when the confidence stop refuses it (a blank round) that call has also
+        run the rest of the pending token's plain step, and the block carries its verdict."""
+        return self._propose(seq, max_drafts, gen, limit, step=True)
+
+    def _propose(self, seq: SequenceState, max_drafts: int, gen: GenerateConfig, limit: int | None,
+                 step: bool) -> DraftBlock:
         k = self.next_depth(seq)
         if self.lookup > 0 and seq.tokens:
             block = self._lookup(seq, max_drafts if limit is None else limit)
@@ -293,7 +310,10 @@ class EarlyExitDrafter(BaseDrafter):
                 return block
         if not self.head_drafts:  # a plain step: every layer in one pass (no exit state to keep: the head never runs)
             return DraftBlock([], None, None, start=seq.length)
-        return self.propose_chains([seq], [max_drafts], [gen], [k])[0]
+        chain = _Chain(self, seq, max_drafts, gen, k)
+        if step:
+            chain.front()
+        return self._run_chains([chain])[0]
 
     def propose_chains(self, seqs: list[SequenceState], max_drafts: list[int], gens: list[GenerateConfig],
                        depths: list[int] | None = None) -> list[DraftBlock]:
@@ -301,8 +321,11 @@ class EarlyExitDrafter(BaseDrafter):
         every sequence still drafting goes through layers [0, k) in one ragged pass (each over its own cache),
         then each sequence's head and policy decide its next draft on their own. Each block equals that
         sequence's own chain. ``depths``: exit depths already chosen this round (default: choose now)."""
-        chains = [_Chain(self, seq, m, gen, k) for seq, m, gen, k in
-                  zip(seqs, max_drafts, gens, depths or [self.next_depth(s) for s in seqs])]
+        return self._run_chains([_Chain(self, seq, m, gen, k) for seq, m, gen, k in
+                                 zip(seqs, max_drafts, gens, depths or [self.next_depth(s) for s in seqs])])
+
+    def _run_chains(self, chains: list[_Chain]) -> list[DraftBlock]:
+        """``chains`` drafted to their ends (``propose_chains``) -> their blocks."""
         split = self.split
         while live := [c for c in chains if not c.done]:
             for k in sorted({c.k for c in live}):
@@ -419,6 +442,40 @@ class _Chain:
         self.f_hat: torch.Tensor | None = None
         self.f_hats: list[torch.Tensor] = []
         self.done = False
+        self.verdict: tuple[int, torch.Tensor] | None = None  # the target's, when ``front`` ran a blank round's step
+
+    def front(self) -> None:
+        """The chain's first draft in one compiled call with the deep head (``DeepContextHead.draft_or_step``),
+        when the chain is greedy and its policy's first decision is a confidence bar (``first_bar``): the
+        pending token's exit state, the head over its backlog and that state, the draft and its confidence; a
+        draft under the bar ends the chain blank and the call has also run the pending token's plain step (its
+        verdict kept for the round). The same states, drafts and decisions as ``advance``; nothing done where the
+        call does not apply."""
+        d, seq, head = self.d, self.seq, self.d.head
+        if self.sampled or not self.gen.greedy or self.states or self.max_drafts < 1 or not head.needs_context:
+            return
+        bar = self.policy.first_bar()
+        if bar is None or not head.front_ready(d.catch_up_rows(seq) + 1):
+            return
+        start, backlog = d._take_backlog(seq)
+        if backlog is None:
+            backlog = seq.extras["finals"].new_zeros(1, 0, d.split.hidden_size)
+        n = backlog.shape[1] + 1
+        ctx = seq.extras["finals"][start : start + n].unsqueeze(0)  # [1, n, hidden]: as _deep_inputs
+        front = head.draft_or_step(self.tok, self.p, seq.cache, self.k, backlog, ctx, seq.positions(start, n),
+                                   seq.head_state, bar)
+        assert front is not None, "front_ready checked that the call applies"
+        self.states.append(front.exit_state)
+        self.f_hat = front.f_hat[:, -1:]
+        self.f_hats.append(self.f_hat)
+        kept = self.policy.keep(0, front.confidence if self.want_conf else 1.0)
+        assert kept == front.drafted, "a policy's first_bar disagrees with its keep(0)"
+        if front.drafted:
+            self.tok = front.token
+            self.tokens.append(self.tok)
+        else:
+            assert front.final is not None, "a blank round's call ran the step"
+            self.done, self.verdict = True, (front.token, front.final)
 
     def advance(self, h: torch.Tensor) -> None:
         """``h`` ``# [1, 1, hidden]``: the exit state of ``tok``; draft the next token or stop."""
@@ -469,7 +526,8 @@ class _Chain:
         blank = self.max_drafts > 0 and not self.tokens  # the head ran for the first draft; the stop refused it
         return DraftBlock(self.tokens, torch.stack(self.probs) if self.probs else None, torch.cat(self.states, dim=1),
                           start=self.p, exit_layer=self.k, source=BLANK if blank else "early_exit",
-                          predicted_finals=torch.cat(self.f_hats, dim=1) if self.f_hats else None)
+                          predicted_finals=torch.cat(self.f_hats, dim=1) if self.f_hats else None,
+                          verdict=self.verdict)
 
 
 if TYPE_CHECKING:  # `make test` runs mypy: an EarlyExitDrafter that no longer implements Drafter fails it here

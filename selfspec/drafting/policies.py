@@ -16,6 +16,7 @@ depend only on its own seed and tokens.
 from __future__ import annotations
 
 import bisect
+import math
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -45,6 +46,12 @@ class DraftPolicy(Protocol):
 
     def keep(self, index: int, top1_prob: float) -> bool: ...
 
+    def first_bar(self) -> float | None:
+        """The draft confidence ``keep(0, ·)`` asks for in a round that may draft (``max_drafts`` > 0): keep(0, c) is
+        exactly ``c >= first_bar()`` (-inf: every draft kept), so a compiled call can take the first draft's decision
+        before keep is asked (``DeepContextHead.draft_or_step``; keep is still called, with the same confidence, and
+        must agree); None when keep(0) is not such a test."""
+
     def observe(self, proposed: int, accepted: int) -> None: ...
 
 
@@ -60,6 +67,9 @@ class FixedPolicy:
 
     def keep(self, index: int, top1_prob: float) -> bool:
         return True
+
+    def first_bar(self) -> float | None:
+        return -math.inf if type(self).keep is FixedPolicy.keep else None  # a subclass's own keep: not known
 
     def observe(self, proposed: int, accepted: int) -> None:
         return None
@@ -82,6 +92,9 @@ class ConfidencePolicy(FixedPolicy):
 
     def keep(self, index: int, top1_prob: float) -> bool:
         return top1_prob >= self.threshold
+
+    def first_bar(self) -> float | None:
+        return self.threshold if type(self).keep is ConfidencePolicy.keep else None
 
 
 class CostAwarePolicy:
@@ -128,6 +141,9 @@ class CostAwarePolicy:
 
     def keep(self, index: int, top1_prob: float) -> bool:
         return self.base.keep(index, top1_prob)
+
+    def first_bar(self) -> float | None:
+        return self.base.first_bar()
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.base.observe(proposed, accepted)
@@ -262,6 +278,9 @@ class ThompsonPolicy:
         here = speedup(self.costs, theta, index)
         return any(speedup(self.costs, theta, g) > here for g in range(index + 1, self.cap + 1))
 
+    def first_bar(self) -> float | None:
+        return self.base.first_bar()  # keep(0) with a cap >= 1: the base's test, no draw
+
     def observe(self, proposed: int, accepted: int) -> None:
         self.base.observe(proposed, accepted)
         if self.cap > 0 and self.blanks_priced:  # the head ran for this round: drafted, or blank
@@ -306,6 +325,9 @@ class DepthBandit:
 
     def keep(self, index: int, top1_prob: float) -> bool:
         return self.arms[self.depth].keep(index, top1_prob)
+
+    def first_bar(self) -> float | None:
+        return self.arms[self.depth].first_bar()
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.arms[self.depth].observe(proposed, accepted)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -99,6 +99,20 @@ def check_fingerprint(saved: dict[str, Any], split: SplitModel, where: str) -> N
     if diff:
         details = ", ".join(f"{k}: head has {a}, model has {b}" for k, (a, b) in diff.items())
         raise HeadMismatchError(f"exit head {where} does not match this model ({details})")
+
+
+class Front(NamedTuple):
+    """What ``DeepContextHead.draft_or_step`` gives back: the pending token's exit state ``# [1, 1, hidden]``, the
+    head's predicted final states ``# [1, n, hidden]`` (its rows', the last the pending token's), whether the draft
+    passed the bar, the draft (drafted) or the target's next token (a blank round), the draft's confidence, and in a
+    blank round the pending token's final state ``# [1, 1, hidden]`` (else None)."""
+
+    exit_state: torch.Tensor
+    f_hat: torch.Tensor
+    drafted: bool
+    token: int
+    confidence: float
+    final: torch.Tensor | None
 
 
 class ExitHead(nn.Module):
@@ -308,6 +322,16 @@ class ExitHead(nn.Module):
                    state: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``features`` and ``logits_part_of`` its last row in one compiled call, or None (then the caller takes the
         two steps): (f^ ``# [1, n, hidden]``, logits ``# [V']``, their ids ``# [V']``)."""
+        return None
+
+    def front_ready(self, rows: int) -> bool:
+        """Whether ``draft_or_step`` applies to a round's first draft over ``rows`` rows (a deep head's compiled call)."""
+        return False
+
+    def draft_or_step(self, token: int, position: int, cache: KVCache, exit_layer: int, backlog: torch.Tensor,
+                      context: torch.Tensor, positions: torch.Tensor, state: Any, bar: float) -> Front | None:
+        """A greedy round's first draft and, under the confidence ``bar``, the target's whole step in one call
+        (``DeepContextHead.draft_or_step``), or None where it does not apply (``front_ready``)."""
         return None
 
 

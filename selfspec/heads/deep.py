@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from selfspec.errors import ExitLayerError
+from selfspec.heads.base import Front
 from selfspec.heads.kangaroo import RMSNorm
 from selfspec.heads.layer import DecoderLayerHead
 from selfspec.kernels.build import cpu_extension
@@ -126,6 +127,40 @@ class DeepContextHead(DecoderLayerHead):
                                       [sin for _ in layers], [state.keys[i] for i in layers],
                                       [state.values[i] for i in layers], starts)
         return f_hat, logits[0], self.vocab_ids
+
+    def front_ready(self, rows: int) -> bool:
+        """Whether ``draft_or_step`` applies to a first draft over ``rows`` rows (the backlog and the pending token's):
+        both compiled plans exist (the head's, ``draft_step``'s; the target's, ``SplitModel.greedy_step``'s), the
+        rows fit one call, nothing is being trained. Checked before the drafter takes the backlog."""
+        return (rows <= MAX_GEMV_ROWS and not torch.is_grad_enabled() and self.split.dtype == torch.float32
+                and self._head_plan() is not None and self.split._plain_step() is not None)
+
+    def draft_or_step(self, token: int, position: int, cache: KVCache, exit_layer: int, backlog: torch.Tensor,
+                      context: torch.Tensor, positions: torch.Tensor, state: KVCache, bar: float) -> Front | None:
+        """A greedy round's first draft in one compiled call (``draft_or_step``, ``selfspec/kernels/step.cpp``):
+        ``token`` at ``position`` through layers [0, ``exit_layer``) of the target (into ``cache``), the head over
+        [``backlog``, that exit state] (``# [1, b, hidden]`` then one row; ``context`` ``# [1, b + 1, hidden]`` and
+        ``positions`` ``# [1, b + 1]`` as ``draft_step`` reads them); and when the draft's confidence is under ``bar``
+        (a blank round) the rest of the target's step, its keys and values in ``cache``: bit for bit the drafter's
+        Python path (``_Chain``) and the verification of one row. None (nothing done) where ``front_ready`` is not."""
+        n = backlog.shape[1] + 1
+        if not self.front_ready(n) or context.shape != (1, n, self.split.hidden_size):
+            return None
+        plan = self._head_plan()
+        step = self.split.step_args(token, position, cache)
+        assert plan is not None and step is not None, "front_ready checked both plans"
+        ops, head_plan = plan
+        cos, sin = self.split.rotary_rows(backlog, positions, self._kind)
+        layers = range(self.head_layers)
+        starts = [state.reserve(i, n) for i in layers]
+        (exit_state, f_hat, final), drafted, tok, conf = ops.draft_or_step(
+            step[1], head_plan, exit_layer, token, position, *step[2:], backlog.contiguous(), context.contiguous(),
+            [cos for _ in layers], [sin for _ in layers], [state.keys[i] for i in layers],
+            [state.values[i] for i in layers], starts, self.vocab_ids, bar)
+        if drafted:  # only layers [0, exit_layer) took the token: the others' reserved entries are given back
+            for i in range(exit_layer, self.split.num_layers):
+                cache.lengths[i] = step[-1][i]
+        return Front(exit_state, f_hat, drafted, tok, conf, final)
 
     def _head_plan(self) -> tuple[Any, Any] | None:
         """(the compiled ops, the head as one ``HeadPlan``), built once per packed weights (rebuilt when its decoder

@@ -53,6 +53,10 @@ class NestedDeepHead(DeepContextHead):
     def args(self) -> dict[str, Any]:
         return {"depths": list(self.depths)}
 
+    def front_ready(self, rows: int) -> bool:
+        """Never: the compiled first draft does not map exit states into the shared space (``project``)."""
+        return False
+
     def project(self, h: torch.Tensor, depth: int) -> torch.Tensor:
         """Exit states of depth ``depth`` ``# [batch, n, hidden]`` -> the shared input space of ``features``."""
         if str(depth) not in self.depth_map:

@@ -371,6 +371,17 @@ class SplitModel:
         ``greedy_ids(forward_all(...))``. None (nothing done) where the call does not apply: off the fast layers'
         compiled path, a batched cache, a scaled embedding (Gemma), a rotary that is not a fixed table, a
         soft-capped LM head."""
+        args = self.step_args(token, position, cache)
+        if args is None:
+            return None
+        ops, plan, *rest = args
+        return ops.greedy_step(plan, token, position, *rest)
+
+    def step_args(self, token: int, position: int, cache: KVCache) -> tuple | None:
+        """What a one-call step of ``token`` at ``position`` takes (``greedy_step``, ``draft_or_step`` of
+        ``selfspec/kernels/step.cpp``): (the compiled ops, ``PlainStep``, per rotary kind the cos and sin tables,
+        every layer's key and value buffers, their starts), one entry reserved in every layer of ``cache``. None
+        (nothing reserved) where ``greedy_step`` does not apply."""
         built = self._plain_step() if cache.keys[0].shape[0] == 1 else None
         if built is None:
             return None
@@ -379,8 +390,7 @@ class SplitModel:
         ops, plan, kinds = built
         tables = [self._rotary_table(kind, self._probe, position + 1) for kind in kinds]
         starts = [cache.reserve(i, 1) for i in range(self.num_layers)]  # reserving may grow a layer's buffers
-        return ops.greedy_step(plan, token, position, [t[0] for t in tables], [t[1] for t in tables], cache.keys,
-                               cache.values, starts)
+        return ops, plan, [t[0] for t in tables], [t[1] for t in tables], cache.keys, cache.values, starts
 
     def _plain_step(self) -> tuple[Any, Any, list[str]] | None:
         """(the compiled ops, ``PlainStep``, its rotary kinds in table order), built once, or None where
