@@ -11,7 +11,10 @@ On first use of a model + exit head on a machine (``DraftConfig.tune="auto"``), 
 
 and chooses the (depth, tree width, draft cap) whose measured acceptance promises the best speed over
 plain decoding at the measured costs (selfspec.costs.speedup). The result, with everything measured, is
-cached as JSON under ``cache_root()/tuning`` (keyed by model, head, dtype, backend, threads and CPU) and
+cached as JSON under ``cache_root()/tuning`` (keyed by model, head, dtype, backend, threads, CPU and the kernels'
+source hash, as the costs are: a calibration's overhead and choices were measured against the costs of its kernels,
+so new kernels calibrate again; before, a cached calibration outlived its costs, e.g. Qwen2.5-0.5B's overhead stayed
+0 where the costs it was measured against had changed, ``kernel_source_hash``) and
 shown by ``selfspec tune`` (selfspec/cli.py). Fields a user sets in DraftConfig always win over it; the online policy
 (Thompson, seeded per request) starts from the calibrated acceptance as its prior and keeps learning.
 
@@ -39,6 +42,7 @@ from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import FixedPolicy
 from selfspec.engine import MAX_TREE_NODES, Engine
 from selfspec.heads.base import ExitHead, head_identity, model_fingerprint
+from selfspec.kernels.build import kernel_source_hash
 from selfspec.memory import trim_heap
 from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
@@ -104,7 +108,7 @@ def tuning_key(split: SplitModel, head: ExitHead) -> dict[str, Any]:
             "vocab_drafted": len(head.vocab_ids),
             "draft_weights": head.draft_weights, "dtype": str(split.dtype), "backend": split.backend, "kernel": split.kernel,
             "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-            "device": str(split.device)}
+            "device": str(split.device), "kernels": kernel_source_hash()}
 
 
 def cache_path(key: dict[str, Any]) -> Path:

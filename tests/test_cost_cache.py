@@ -196,3 +196,16 @@ def test_costs_measured_in_a_busy_moment_are_measured_once_more(counted, monkeyp
     assert ss.cost_cache.log == ["2: measured (no entry; implausible, measured again)"]
     assert ss.draft_costs(ss.head).t_shallow == results[1]
     assert load().cost_cache.log == ["2: cached"]  # the second measurement was written
+
+
+def test_new_kernels_calibrate_again(monkeypatch):
+    """The calibration's key holds the kernels' source hash, as the costs' does: its round overhead and choices were
+    measured against those kernels' costs, so other kernels get a new calibration, not the old one's."""
+    import selfspec.tuning as tuning
+
+    ss = SelfSpec(tiny_model("llama"), None, DRAFT)
+    before = tuning.tuning_key(ss.split, ss.head)
+    monkeypatch.setattr(tuning, "kernel_source_hash", lambda: "other-kernels")
+    after = tuning.tuning_key(ss.split, ss.head)
+    assert after["kernels"] == "other-kernels" and before != after
+    assert tuning.cache_path(before) != tuning.cache_path(after)
