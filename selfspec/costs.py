@@ -119,6 +119,9 @@ class DraftCosts:
     tree_width: int = 1  # > 1: rounds draft token trees of this many nodes per depth (drafting.tree)
     t_round: float = 0.0  # a drafting round's measured cost beyond its layers and head calls (tuning.round_overhead)
     t_per_draft: float = 0.0  # ... and beyond them per draft token
+    # Whether a blank round (the head ran, its first draft refused) pays t_round too; not when the head's first draft
+    # and the rest of the step are one compiled call (``DeepContextHead.draft_or_step``): then only the head's cost
+    blank_overhead: bool = True
 
     @property
     def t_plain(self) -> float:
@@ -137,6 +140,10 @@ class DraftCosts:
     def overhead(self, g: int) -> float:
         """The measured cost of a round of g drafts beyond its layers and head calls (0 for a plain step)."""
         return self.t_round + g * self.t_per_draft if g > 0 else 0.0
+
+    def blank_cost(self) -> float:
+        """A blank round: one token for a plain step, the head's call, and the round overhead where it is paid."""
+        return self.t_plain + self.t_head + (self.t_round if self.blank_overhead else 0.0)
 
     def layers_only(self) -> DraftCosts:
         """These costs without the measured round overhead (what the calibration measures the overhead against)."""
@@ -166,7 +173,8 @@ class DraftCosts:
 
         costs = cls(int(data["exit_layer"]), float(data["t_shallow"]), float(data["t_head"]), table(data["t_deep"]),
                     table(data.get("t_shallow_block", {})), int(data.get("tree_width", 1)),
-                    float(data.get("t_round", 0.0)), float(data.get("t_per_draft", 0.0)))
+                    float(data.get("t_round", 0.0)), float(data.get("t_per_draft", 0.0)),
+                    bool(data.get("blank_overhead", True)))
         if 1 not in costs.t_deep:
             raise ValueError("draft costs without t_deep[1]")
         return costs
@@ -231,11 +239,12 @@ def speedup(costs: DraftCosts, acceptance: list[float], g: int) -> float:
 
 def speedup_with_blanks(costs: DraftCosts, acceptance: list[float], g: int, pass_rate: float) -> float:
     """``speedup`` when only a share ``pass_rate`` of the rounds get past a confidence stop at the first draft: the
-    others are blank (the head ran, no draft: one token for a plain step plus the head and the round's overhead).
+    others are blank (the head ran, no draft: one token for a plain step plus the head, and the round's overhead
+    unless the head's call ran the step too, ``DraftCosts.blank_cost``).
     At pass_rate 1 it is ``speedup``, bit for bit."""
     if g == 0:
         return 1.0
-    blank = costs.t_plain + costs.t_head + costs.t_round
+    blank = costs.blank_cost()
     tokens = 1.0 + pass_rate * expected_accepted(acceptance, g)
     return tokens * costs.t_plain / (pass_rate * costs.round_cost(g) + (1.0 - pass_rate) * blank)
 

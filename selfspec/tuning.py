@@ -48,7 +48,8 @@ from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
 from selfspec.progress import progress
 
-TUNING_VERSION = 7  # 6: block costs made monotone in n (costs.monotone); 7: measured round overhead
+TUNING_VERSION = 8  # 6: block costs made monotone in n (costs.monotone); 7: measured round overhead; 8: a blank round
+# of a head whose first draft and step are one call (draft_or_step) pays no round overhead (DraftCosts.blank_overhead)
 # short, varied: chat, code, math, extraction, and the kinds where drafts fail (another language, a short fact):
 # a calibration on easy prompts alone promised the Thompson prior an acceptance the translation group never saw
 # (Spec-Bench's own questions are never used to tune)
@@ -172,7 +173,8 @@ def _drafted(confs: list[float], threshold: float, cap: int) -> int:
 def simulate(costs: DraftCosts, rounds: list[tuple[list[float], int]], threshold: float, cap: int) -> float:
     """Speed over plain decoding of chains cut by a confidence stop at ``threshold`` and at ``cap`` drafts,
     replayed on recorded rounds at the measured costs. A round stopped early still paid the head on the
-    token it stopped at (and, stopped before its first draft, the round overhead: the head's path ran);
+    token it stopped at (and, stopped before its first draft, the round overhead: the head's path ran, unless its
+    call ran the step too, ``DraftCosts.blank_overhead``);
     cap 0 is plain decoding (1.0)."""
     if cap == 0 or not rounds:
         return 1.0
@@ -181,7 +183,8 @@ def simulate(costs: DraftCosts, rounds: list[tuple[list[float], int]], threshold
         n = _drafted(confs, threshold, cap)
         tokens += min(accepted, n) + 1
         stopped = n < min(cap, len(confs))
-        seconds += costs.round_cost(n) + ((costs.t_head + (costs.t_round if n == 0 else 0.0)) if stopped else 0.0)
+        blank = n == 0 and costs.blank_overhead
+        seconds += costs.round_cost(n) + ((costs.t_head + (costs.t_round if blank else 0.0)) if stopped else 0.0)
     return tokens * costs.t_plain / seconds
 
 
@@ -205,6 +208,13 @@ def calibration_prompts(tokenizer: Any, vocab_size: int) -> list[list[int]]:
 def with_overhead(costs: DraftCosts, overhead_ms: dict[str, float]) -> DraftCosts:
     """``costs`` with a measured round overhead (``round_overhead``'s ms: 'round' and 'per_draft')."""
     return replace(costs, t_round=overhead_ms.get("round", 0.0) / 1e3, t_per_draft=overhead_ms.get("per_draft", 0.0) / 1e3)
+
+
+def for_head(costs: DraftCosts, head: ExitHead) -> DraftCosts:
+    """``costs`` with ``blank_overhead`` as ``head`` drafts: False where its first draft and a blank round's step are
+    one compiled call (``ExitHead.front_ready``), so a blank round pays the head and not the round's Python."""
+    with torch.inference_mode():
+        return replace(costs, blank_overhead=not head.front_ready(1))
 
 
 def _decode(engine: Engine, ids: list[int], new_tokens: int, seconds: list[float] | None = None) -> None:
@@ -309,7 +319,7 @@ def calibrate(split: SplitModel, head: ExitHead, tokenizer: Any = None, new_toke
     k = head.exit_layer if head.exit_layer in depths else depths[0]
     overhead = round_overhead(split, head, costs[k], prompts[:OVERHEAD_PROMPTS], new_tokens)
     bar.update()
-    costs = {d: with_overhead(c, overhead) for d, c in costs.items()}
+    costs = {d: for_head(with_overhead(c, overhead), head) for d, c in costs.items()}
     for d in depths:
         for w in widths:
             rec = record_rounds(split, head, d, w, prompts, new_tokens)

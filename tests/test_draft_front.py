@@ -194,3 +194,26 @@ def test_first_bar_is_exactly_keep_at_the_first_draft():
             return True
 
     assert Own(0.5).first_bar() is None
+
+
+def test_a_blank_round_with_the_one_call_pays_the_head_not_the_round_overhead():
+    """The economics price a blank round at a plain step plus the head, plus the round's measured overhead only
+    where the head has no one-call front (``DraftCosts.blank_overhead``, ``tuning.for_head``): in the Thompson
+    policy's expected speed and in the calibration's replay."""
+    from dataclasses import replace
+
+    from selfspec.costs import DraftCosts, speedup_with_blanks
+    from selfspec.tuning import for_head, simulate
+
+    costs = DraftCosts(0, 0.0, 0.001, {1: 0.010, 2: 0.013, 4: 0.018}, t_round=0.002)
+    free = replace(costs, blank_overhead=False)
+    assert costs.blank_cost() == pytest.approx(0.013) and free.blank_cost() == pytest.approx(0.011)
+    assert speedup_with_blanks(free, [0.8], 1, 0.3) > speedup_with_blanks(costs, [0.8], 1, 0.3)
+    assert speedup_with_blanks(free, [0.8], 1, 1.0) == speedup_with_blanks(costs, [0.8], 1, 1.0)
+    rounds = [([0.1, 0.9], 1), ([0.9, 0.9], 2)]  # one refused at the first draft, one drafted
+    assert simulate(free, rounds, 0.5, 2) > simulate(costs, rounds, 0.5, 2)
+    assert DraftCosts.from_dict(free.to_dict()) == free and DraftCosts.from_dict(costs.to_dict()) == costs
+    _, head = trimmed("llama", 0)
+    assert not for_head(costs, head).blank_overhead
+    _, untrimmed = deep_ss("llama", 0, quantize="Q4_0")
+    assert for_head(costs, untrimmed).blank_overhead  # no drafted vocabulary: no one-call draft

@@ -27,7 +27,7 @@ from selfspec.heads.base import ExitHead
 from selfspec.models.split import SplitModel
 from selfspec.specee.decode import DEFAULT_THRESHOLDS, SpecEERunner, SpecEESettings
 from selfspec.specee.predictors import has_predictors, load_predictors
-from selfspec.tuning import Tuning, head_depths
+from selfspec.tuning import Tuning, for_head, head_depths
 
 MAX_AUTO_GAMMA = 8  # the longest draft the cost-aware choice considers
 LOOKUP_PRIOR = 0.5  # prior acceptance of lookup drafts per position (then learned from every lookup round)
@@ -127,6 +127,7 @@ def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold:
     costs = {d: ss.draft_costs(head, draft, d) for d in (head_depths(head) if thompson else [head.exit_layer])}
     if tuning is not None:  # what real rounds cost beyond their layers (measured by the calibration)
         costs = {d: tuning.with_overhead(c) for d, c in costs.items()}
+    costs = {d: for_head(c, head) for d, c in costs.items()}  # a blank round's price (its one call, or not)
     shaped = {d: replace(c, tree_width=draft.tree_width) if draft.tree_width > 1 else c for d, c in costs.items()}
     k = head.exit_layer
     if thompson:
