@@ -72,10 +72,11 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     if threshold is None:  # the calibration's confidence stop, else 0.5 (measured best for the bundled head)
         threshold = tuning.threshold if tuning is not None else 0.5
         draft = replace(draft, threshold=threshold)
-    policy, gamma, lookup_policy, streak_policy, store_policy = _policies(ss, head, draft, name, threshold, tuning)
     # a calibration that found no early-exit draft paying: lookup alone, unless the user wants exploration
     head_drafts = not (tuning is not None and tuning.gamma == 0 and draft.gamma is None and not draft.explore
                        and draft.lookup > 0)
+    policy, gamma, lookup_policy, streak_policy, store_policy = _policies(ss, head, draft, name, threshold, tuning,
+                                                                          head_drafts)
     if head_drafts:
         head.prepare()  # its draft kernels built now, not in the first request
         if head.source is not None:  # a head loaded from its directory to draft with: its packed copies suffice
@@ -111,11 +112,11 @@ def catch_up_limit(costs: DraftCosts, tuning: Tuning | None, deep_layers: int) -
 
 
 def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold: float,
-              tuning: Tuning | None) -> tuple[DraftPolicy, int, ByMatchLength | None, ByMatchLength | None,
-                                              ByMatchLength | None]:
+              tuning: Tuning | None, head_drafts: bool = True) -> tuple[DraftPolicy, int, ByMatchLength | None,
+                                                                        ByMatchLength | None, ByMatchLength | None]:
     """(the drafts' policy, most drafts per round, the lookup drafts' policy or None, the policy of lookup blocks
     after one accepted whole or None, the token store's blocks' or None) of ``draft`` (its tree width resolved:
-    ``early_exit``)."""
+    ``early_exit``). ``head_drafts`` False: the head never runs, so nothing of it is built to price its rounds."""
     assert draft.tree_width is not None
     base = make_policy(name, threshold)
     policy: DraftPolicy = base
@@ -127,7 +128,8 @@ def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold:
     costs = {d: ss.draft_costs(head, draft, d) for d in (head_depths(head) if thompson else [head.exit_layer])}
     if tuning is not None:  # what real rounds cost beyond their layers (measured by the calibration)
         costs = {d: tuning.with_overhead(c) for d, c in costs.items()}
-    costs = {d: for_head(c, head) for d, c in costs.items()}  # a blank round's price (its one call, or not)
+    if head_drafts:  # a blank round's price (its one call, or not; ``front_ready`` builds the head's plan)
+        costs = {d: for_head(c, head) for d, c in costs.items()}
     shaped = {d: replace(c, tree_width=draft.tree_width) if draft.tree_width > 1 else c for d, c in costs.items()}
     k = head.exit_layer
     if thompson:

@@ -132,8 +132,11 @@ class DeepContextHead(DecoderLayerHead):
         """Whether ``draft_or_step`` applies to a first draft over ``rows`` rows (the backlog and the pending token's):
         both compiled plans exist (the head's, ``draft_step``'s; the target's, ``SplitModel.greedy_step``'s), the
         rows fit one call, nothing is being trained. Checked before the drafter takes the backlog."""
-        return (rows <= MAX_GEMV_ROWS and not torch.is_grad_enabled() and self.split.dtype == torch.float32
-                and self._head_plan() is not None and self.split._plain_step() is not None)
+        return self._fits(rows) and self._head_plan() is not None and self.split._plain_step() is not None
+
+    def _fits(self, rows: int) -> bool:
+        """``front_ready``'s checks other than the plans: the rows fit one call, no gradients, float32."""
+        return rows <= MAX_GEMV_ROWS and not torch.is_grad_enabled() and self.split.dtype == torch.float32
 
     def draft_or_step(self, token: int, position: int, cache: KVCache, exit_layer: int, backlog: torch.Tensor,
                       context: torch.Tensor, positions: torch.Tensor, state: KVCache, bar: float) -> Front | None:
@@ -144,11 +147,10 @@ class DeepContextHead(DecoderLayerHead):
         (a blank round) the rest of the target's step, its keys and values in ``cache``: bit for bit the drafter's
         Python path (``_Chain``) and the verification of one row. None (nothing done) where ``front_ready`` is not."""
         n = backlog.shape[1] + 1
-        if not self.front_ready(n) or context.shape != (1, n, self.split.hidden_size):
+        plan = self._head_plan() if self._fits(n) and context.shape == (1, n, self.split.hidden_size) else None
+        step = self.split.step_args(token, position, cache) if plan is not None else None  # None: nothing reserved
+        if plan is None or step is None:
             return None
-        plan = self._head_plan()
-        step = self.split.step_args(token, position, cache)
-        assert plan is not None and step is not None, "front_ready checked both plans"
         ops, head_plan = plan
         cos, sin = self.split.rotary_rows(backlog, positions, self._kind)
         layers = range(self.head_layers)
