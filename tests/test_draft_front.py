@@ -83,15 +83,16 @@ def compare_one_call(split, head, k: int) -> None:
 
 
 def count_fronts(monkeypatch) -> dict[str, int]:
-    """Counts of ``_Chain.front`` calls that drafted and that ended blank (with the verdict)."""
-    counts = {"drafted": 0, "blank": 0}
+    """Counts of ``_Chain.front`` calls that drafted, that ended blank (with the verdict), and of rounds that drafted
+    nothing in one call (``step_with_states``)."""
+    counts = {"drafted": 0, "blank": 0, "nothing": 0}
     real = _Chain.front
 
     def spy(self):
         n = len(self.states)
         real(self)
         if len(self.states) > n:
-            counts["blank" if self.verdict is not None else "drafted"] += 1
+            counts["nothing" if self.max_drafts < 1 else "blank" if self.verdict is not None else "drafted"] += 1
 
     monkeypatch.setattr(_Chain, "front", spy)
     return counts
@@ -153,7 +154,7 @@ def test_the_one_call_is_declined_where_it_does_not_apply(monkeypatch):
     assert ss.generate(prompt, max_new_tokens=NEW).token_ids == hf_greedy(ss.model, prompt, NEW)
     ss.engine.drafter.policy = FixedPolicy()
     ss.generate(prompt, max_new_tokens=NEW, temperature=0.8, seed=1)
-    assert counts == {"drafted": 0, "blank": 0}
+    assert counts["drafted"] == counts["blank"] == 0  # (a last round with no room for a draft is one call still)
     ss.generate(prompt, max_new_tokens=NEW)
     assert counts["drafted"] > 0
     with torch.inference_mode():
@@ -217,3 +218,66 @@ def test_a_blank_round_with_the_one_call_pays_the_head_not_the_round_overhead():
     assert not for_head(costs, head).blank_overhead
     _, untrimmed = deep_ss("llama", 0, quantize="Q4_0")
     assert for_head(costs, untrimmed).blank_overhead  # no drafted vocabulary: no one-call draft
+
+
+@pytest.mark.parametrize("arch", FRONT_ARCHS)
+@pytest.mark.parametrize("quantize", [None, "Q4_0"])
+@pytest.mark.parametrize("k", [0, 2])
+def test_step_with_states_is_the_round_in_parts_bit_for_bit(arch, quantize, k):
+    """A round that drafts nothing in one call (``SplitModel.step_with_states``): the exit state, the final state, the
+    next token and every key, value and length of the cache equal the parts' (layers [0, k), then [k, L) over that
+    state and ``greedy_ids``)."""
+    ss, _ = trimmed(arch, k, quantize)
+    split, L = ss.split, ss.split.num_layers
+    prompt = torch.tensor([prompt_of(6, 3)])
+    with torch.inference_mode():
+        caches = [split.new_cache(32), split.new_cache(32)]
+        for cache in caches:
+            split.forward_all(prompt, torch.arange(6)[None], cache)
+        tok, p = 11, 6
+        found = split.step_with_states(tok, p, caches[0], k)
+        assert found is not None
+        pos = torch.arange(p, p + 1)[None]
+        h = split.run_layers(split.embed(torch.tensor([[tok]])), 0, k, pos, caches[1])
+        final = split.run_layers(h, k, L, pos, caches[1])
+        assert torch.equal(found[0], h) and torch.equal(found[1], final)
+        assert found[2] == int(split.greedy_ids(final)[0, -1])
+        assert caches[0].lengths == caches[1].lengths == [p + 1] * L
+        for a, c in ((caches[0].keys, caches[1].keys), (caches[0].values, caches[1].values)):
+            assert all(torch.equal(x[:, :, : p + 1], y[:, :, : p + 1]) for x, y in zip(a, c))
+        with pytest.raises(IndexError, match="exit layer"):
+            split.step_with_states(tok, p + 1, caches[0], L + 1)
+
+
+class EveryOther(FixedPolicy):
+    """Two drafts every other round, none in the others (rounds that draft nothing among drafting ones)."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def max_drafts(self, gamma: int) -> int:
+        self.rounds += 1
+        return 2 if self.rounds % 2 else 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("k", [0, 2])
+def test_rounds_that_draft_nothing_in_one_call_are_the_rounds_in_parts(arch, k):
+    """Greedy rounds with no draft through ``step_with_states`` give the tokens, drafts, acceptances and the head's
+    later drafts of the same rounds in parts (the call switched off), and transformers' greedy."""
+    prompt = prompt_of(9, 11) + [5, 6, 7, 5, 6, 7, 5, 6]
+    ss, _ = trimmed(arch, k)
+    split = ss.split
+    ref = hf_greedy(ss.model, prompt, NEW)
+    runs, calls = [], []
+    real = split.step_with_states
+    for one_call in (True, False):
+        ss.engine.drafter.policy = EveryOther()
+        split.step_with_states = (lambda *a: calls.append(1) or real(*a)) if one_call else (lambda *a: None)
+        out = ss.generate(prompt, max_new_tokens=NEW)
+        del split.step_with_states
+        assert out.token_ids == ref, one_call
+        s = out.stats
+        runs.append((s.proposed_per_position, s.accepted_per_position, s.accept_lengths))
+    assert runs[0] == runs[1]
+    assert calls and sum(runs[0][0]) > 0

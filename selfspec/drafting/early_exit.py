@@ -445,14 +445,26 @@ class _Chain:
         self.verdict: tuple[int, torch.Tensor] | None = None  # the target's, when ``front`` ran a blank round's step
 
     def front(self) -> None:
-        """The chain's first draft in one compiled call with the deep head (``DeepContextHead.draft_or_step``),
+        """A greedy round that drafts nothing (``max_drafts`` 0) for a head that keeps states: the pending token's
+        plain step in one compiled call keeping its exit and final states (``SplitModel.step_with_states``), its
+        verdict kept for the round. Else the chain's first draft in one compiled call with the deep head
+        (``DeepContextHead.draft_or_step``),
         when the chain is greedy and its policy's first decision is a confidence bar (``first_bar``): the
         pending token's exit state, the head over its backlog and that state, the draft and its confidence; a
         draft under the bar ends the chain blank and the call has also run the pending token's plain step (its
         verdict kept for the round). The same states, drafts and decisions as ``advance``; nothing done where the
         call does not apply."""
         d, seq, head = self.d, self.seq, self.d.head
-        if self.sampled or not self.gen.greedy or self.states or self.max_drafts < 1 or not head.needs_context:
+        if self.sampled or not self.gen.greedy or self.states:
+            return
+        if self.max_drafts < 1:  # nothing drafted: the plain step in one call, its states kept for the head
+            if (head.stateful or head.needs_context) and not d.context_layers:  # (fused features: wider states)
+                found = d.split.step_with_states(self.tok, self.p, seq.cache, self.k)
+                if found is not None:
+                    self.states.append(found[0])
+                    self.done, self.verdict = True, (found[2], found[1])
+            return
+        if not head.needs_context:
             return
         bar = self.policy.first_bar()
         if bar is None or not head.front_ready(d.catch_up_rows(seq) + 1):

@@ -377,6 +377,21 @@ class SplitModel:
         ops, plan, *rest = args
         return ops.greedy_step(plan, token, position, *rest)
 
+    def step_with_states(self, token: int, position: int, cache: KVCache,
+                         exit_layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """``greedy_step`` that also keeps the token's states (``step_with_states``, ``selfspec/kernels/step.cpp``):
+        (its exit state after layers [0, ``exit_layer``) ``# [1, 1, hidden]``, its last-layer state ``# [1, 1, hidden]``,
+        the next token), bit for bit a round that drafts nothing run in parts (the exit state, then layers
+        [``exit_layer``, L) over it and ``greedy_ids``). None (nothing done) where ``greedy_step`` does not apply."""
+        if not 0 <= exit_layer <= self.num_layers:
+            raise IndexError(f"exit layer {exit_layer} out of range [0, {self.num_layers}]")
+        args = self.step_args(token, position, cache)
+        if args is None:
+            return None
+        ops, plan, *rest = args
+        exit_state, final, nxt = ops.step_with_states(plan, exit_layer, token, position, *rest)
+        return exit_state, final, int(nxt)
+
     def step_args(self, token: int, position: int, cache: KVCache) -> tuple | None:
         """What a one-call step of ``token`` at ``position`` takes (``greedy_step``, ``draft_or_step`` of
         ``selfspec/kernels/step.cpp``): (the compiled ops, ``PlainStep``, per rotary kind the cos and sin tables,
