@@ -408,3 +408,37 @@ def test_bench_rounds_records_every_round_and_changes_no_output(tiny_ss, tmp_pat
     assert "plain step: median" in format_table(s)
     with pytest.raises(InvalidConfigError, match="plain steps"):
         summarize_rounds([RoundRecord("selfspec", "head", 1, 1, 0.01)])
+
+
+def test_keep_drafters_keeps_each_methods_drafter_across_its_turns(tiny_ss, tmp_path, monkeypatch):
+    """``keep_drafters``: each selfspec method's drafter is built at its first turn and kept for its later ones (two
+    methods alternating, each with its own), as its own server keeps it; the answers are the same as with a drafter
+    built afresh each turn (every run so far)."""
+    import selfspec.bench.methods as bm
+
+    built: list[str] = []
+    real = tiny_ss.set_draft
+    monkeypatch.setattr(tiny_ss, "set_draft", lambda draft: built.append(draft.policy) or real(draft))
+    methods = ["plain", "selfspec-lm", "selfspec-lm-confidence"]
+    engines: dict[str, set[int]] = {}
+    real_use = bm.use_draft
+
+    def spy(ss, method, kept=None):
+        real_use(ss, method, kept)
+        engines.setdefault(method.name, set()).add(id(ss.engine.drafter))
+
+    monkeypatch.setattr(bm, "use_draft", spy)
+    kept = run_bench(bench_cfg(tmp_path, QUESTIONS[:2], methods=methods, keep_drafters=True,
+                               out=str(tmp_path / "kept")), ss=tiny_ss)
+    assert all(len(ids) == 1 for ids in engines.values()) and len(engines) == 2
+    n_kept, engines = len(built), {}
+    built.clear()
+    afresh = run_bench(bench_cfg(tmp_path, QUESTIONS[:2], methods=methods, out=str(tmp_path / "afresh")), ss=tiny_ss)
+    assert all(len(ids) == 4 for ids in engines.values())  # the warm-up and three turns (question 81 has two)
+    assert len(built) - n_kept == 2 * 3  # (parsing the methods builds each once either way)
+    for name in methods:
+        a = read_answers(tmp_path / "kept" / "answers" / f"{name}.jsonl")
+        b = read_answers(tmp_path / "afresh" / "answers" / f"{name}.jsonl")
+        assert {q: r["choices"][0]["token_ids"] for q, r in a.items()} == \
+            {q: r["choices"][0]["token_ids"] for q, r in b.items()}
+    assert "selfspec-lm" in kept and "selfspec-lm" in afresh

@@ -305,10 +305,24 @@ def resolve_methods(specs: list[str], cfg: BenchConfig, ss: SelfSpec) -> list[Me
 
 
 # ---- running one turn ------------------------------------------------------------------------
-def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int, reuse: bool = False) -> TurnResult:
+def use_draft(ss: SelfSpec, method: Method, kept: dict[str, Any] | None = None) -> None:
+    """``method``'s draft on ``ss`` (untimed): built afresh, so an adaptive policy starts anew; or with ``kept``, the
+    drafter this method's earlier turns left (built at its first turn), as its own server would keep it."""
+    assert method.draft is not None  # parse_method gives the selfspec kinds their draft
+    if kept is None:
+        ss.set_draft(method.draft)
+    elif method.name in kept:
+        ss.engine, ss.draft_config, ss.head, ss.tuning_result = kept[method.name]
+    else:
+        ss.set_draft(method.draft)
+        kept[method.name] = (ss.engine, ss.draft_config, ss.head, ss.tuning_result)
+
+
+def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int, reuse: bool = False,
+             kept: dict[str, Any] | None = None) -> TurnResult:
     """Generate greedily for one turn and time it (prefill included, tokenization excluded). ``reuse``: llama.cpp
     keeps its last request's keys and values for a prompt that starts with it (cache_prompt; selfspec's prefix
-    cache is the caller's to empty)."""
+    cache is the caller's to empty). ``kept``: each selfspec method's drafter across its turns (``use_draft``)."""
     if method.kind in HF_KINDS:
         return _run_hf(ss, ids, max_new_tokens, method.options)
     if method.kind == "llama-cpp":
@@ -321,8 +335,7 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int, 
                           prefill_time=prefill, cached_tokens=int(timings.get("cache_n", 0)))
     gen = GenerateConfig(max_new_tokens=max_new_tokens, ignore_eos=False)
     if method.kind in ("selfspec", *SPECEE_KINDS):
-        assert method.draft is not None  # parse_method gives these kinds their draft
-        ss.set_draft(method.draft)  # untimed; an adaptive policy starts afresh each turn
+        use_draft(ss, method, kept)
     r = ss.generate(ids, gen, method="selfspec" if method.kind == "selfspec" else method.kind)
     st = r.stats
     drafted = sum(st.proposed_per_position) + st.lookup_proposed if method.kind != "plain" else 0

@@ -75,6 +75,9 @@ class BenchConfig:
     threshold: float = opt(0.6, "Threshold of the confidence policy (unless a spec sets it).")
     prompt_lookup_num_tokens: int = opt(10, "Candidate tokens of hf-prompt-lookup.")
     warmup: int = opt(16, "New tokens of the untimed warm-up generation of each method (0: none).")
+    keep_drafters: bool = opt(False, "Keep each selfspec method's drafter across its turns, as its own server keeps "
+                                     "it (its lookup policies learn across requests). False: built afresh each "
+                                     "turn, an adaptive policy starting anew (every run so far).")
     baseline: str = opt("hf", "Method the speedups and token identity are measured against.")
     divergences: bool = opt(True, "After the run, explain every answer that differs from the baseline "
                                   "(first differing token, target's top-2 logit margin): divergences.json.")
@@ -180,18 +183,20 @@ def turn_prompt(ss: SelfSpec, q: Question, answers: list[str], turn: int) -> lis
     return ss.encode(messages + [{"role": "user", "content": q.turns[turn]}])
 
 
-def answer_question(ss: SelfSpec, method: Method, q: Question, max_new_tokens: int, reuse: bool = False) -> dict:
+def answer_question(ss: SelfSpec, method: Method, q: Question, max_new_tokens: int, reuse: bool = False,
+                    kept: dict[str, Any] | None = None) -> dict:
     """Answer every turn of a question with one method; the Spec-Bench answer record (per-turn lists). ``reuse``:
     the method's prompt cache as a server keeps it (selfspec's prefix cache holding what this method's earlier
     requests left, ``run_bench``; llama.cpp's cache_prompt, its slot's last request, answer included), so a later
-    turn reuses the earlier turns' prompt; else every turn is prefilled whole (every run before 2026-11-27)."""
+    turn reuses the earlier turns' prompt; else every turn is prefilled whole (every run before 2026-11-27).
+    ``kept``: each selfspec method's drafter as its earlier turns left it (``BenchConfig.keep_drafters``)."""
     c: dict[str, list] = {k: [] for k in ("turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths",
                                           "draft_tokens", "prompt_tokens", "cached_tokens", "token_ids", "specee",
                                           "rounds", "peer", "prefill_time")}
     for turn in range(len(q.turns)):
         if not reuse:
             ss.prefix_cache.clear()
-        r = run_turn(ss, method, turn_prompt(ss, q, c["turns"], turn), max_new_tokens, reuse)
+        r = run_turn(ss, method, turn_prompt(ss, q, c["turns"], turn), max_new_tokens, reuse, kept)
         for key, value in (("turns", answer_text(ss, r.token_ids)), ("new_tokens", r.new_tokens),
                            ("wall_time", r.wall_time), ("decoding_steps", r.decoding_steps),
                            ("accept_lengths", r.accept_lengths), ("draft_tokens", r.draft_tokens),
@@ -291,10 +296,11 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
         # Each method as its own server: selfspec's prefix cache holds what that method's own requests left (a
         # question's earlier turns, the chat template's opening), never another method's prompts
         held: dict[str, OrderedDict] = {m.name: OrderedDict() for m in methods}
+        kept: dict[str, Any] | None = {} if cfg.keep_drafters else None  # ... and, if asked, its drafter
         if pending and cfg.warmup > 0:  # not a question's prompt: no cache then holds one
             for m in methods:
                 ss.prefix_cache.entries = held[m.name]
-                run_turn(ss, m, ss.encode([{"role": "user", "content": WARMUP_PROMPT}]), cfg.warmup, reuse)
+                run_turn(ss, m, ss.encode([{"role": "user", "content": WARMUP_PROMPT}]), cfg.warmup, reuse, kept)
         bar = progress(pending, desc="spec-bench", unit="question", dynamic_ncols=True, total=len(chosen),
                    initial=len(chosen) - len(pending))
         for i, q in enumerate(bar):
@@ -304,7 +310,7 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
                     continue
                 bar.set_postfix_str(f"{q.group} {q.question_id} {m.name}")
                 ss.prefix_cache.entries = held[m.name]
-                rec = answer_question(ss, m, q, cfg.max_new_tokens, reuse)
+                rec = answer_question(ss, m, q, cfg.max_new_tokens, reuse, kept)
                 files[m.name].append(rec)
                 done[m.name][q.question_id] = rec
                 if on_answer is not None:
