@@ -458,7 +458,7 @@ class _Chain:
         if self.sampled or not self.gen.greedy or self.states:
             return
         if self.max_drafts < 1:  # nothing drafted: the plain step in one call, its states kept for the head
-            if (head.stateful or head.needs_context) and not d.context_layers:  # (fused features: wider states)
+            if d.reads_final_states and not d.context_layers:  # (fused features: wider states than the call's)
                 found = d.split.step_with_states(self.tok, self.p, seq.cache, self.k)
                 if found is not None:
                     self.states.append(found[0])
