@@ -40,6 +40,27 @@ def test_rotary_rows_are_the_rotary_call_bit_for_bit(arch):
             assert all(torch.equal(a, b) for a, b in zip(want, split.rotary_rows(h, pos, kind)))
 
 
+def test_a_sequences_positions_say_their_first_and_reserving_every_layer_at_once_is_reserving_each():
+    """``SequenceState.positions`` carries its first position, which ``consecutive`` takes without reading values
+    (the same answer as reading them); ``KVCache.reserve_all`` gives each layer's old length and grows a full
+    layer's buffers as ``reserve`` does, layer by layer."""
+    from selfspec.models.cache import KVCache
+    from selfspec.models.split import consecutive
+    from selfspec.state import SequenceState
+
+    seq = SequenceState(KVCache(3, 2, 4, 8, torch.float32))
+    pos = seq.positions(5, 3)
+    assert pos.tolist() == [[5, 6, 7]] and consecutive(pos) == 5 == consecutive(pos.clone())  # the clone reads values
+    assert consecutive(torch.tensor([[5, 7]])) is None
+    a, b = KVCache(4, 2, 4, 8, torch.float32), KVCache(4, 2, 4, 8, torch.float32)
+    for cache in (a, b):
+        cache.lengths = [6, 7, 5, 6]
+    assert a.reserve_all(2, 1, 3) == [7, 5] == [b.reserve(1, 2), b.reserve(2, 2)]
+    assert a.lengths == b.lengths == [6, 9, 7, 6]
+    assert [k.shape[2] for k in a.keys] == [k.shape[2] for k in b.keys] == [8, 16, 8, 8]  # layer 1 grew
+    assert a.reserve_all(1) == [6, 9, 7, 6] and a.lengths == [7, 10, 8, 7]
+
+
 def test_a_rotary_that_depends_on_the_longest_position_takes_no_table():
     dynamic = nn.Module()
     dynamic.rope_type = "dynamic"  # transformers updates its frequencies with the longest position seen

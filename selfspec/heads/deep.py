@@ -167,6 +167,8 @@ class DeepContextHead(DecoderLayerHead):
     def _head_plan(self) -> tuple[Any, Any] | None:
         """(the compiled ops, the head as one ``HeadPlan``), built once per packed weights (rebuilt when its decoder
         layers, fuse or drafted LM rows are packed again), or None where ``draft_step`` does not apply."""
+        if self.released and self._plan is not None:  # packed for good (release_float): the plan built stays valid
+            return self._plan[1]
         self.ensure_loaded()
         if self.split.backend != "fast" or self.context_layers or self.split.softcap is not None or not len(self.vocab_ids):
             return None

@@ -268,15 +268,10 @@ class SplitModel:
         """Layers [start, end) of one sequence's causal step as one C++ call (``selfspec/kernels/step.cpp``): bit for
         bit ``FastLayer.forward_segments``'s fused path, without Python between the ~10 ops of each layer."""
         n = h.shape[1]
-        tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        cos, sin, starts = [], [], []
-        for i in range(start, end):
-            kind = self.layer_types[i]
-            if kind not in tables:
-                tables[kind] = self.rotary_rows(h, positions, kind)
-            cos.append(tables[kind][0])
-            sin.append(tables[kind][1])
-            starts.append(cache.reserve(i, n))  # first: reserving may grow (reallocate) this layer's buffers
+        kinds = self.layer_types[start:end]
+        tables = {kind: self.rotary_rows(h, positions, kind) for kind in set(kinds)}
+        cos, sin = [tables[kind][0] for kind in kinds], [tables[kind][1] for kind in kinds]
+        starts = cache.reserve_all(n, start, end)  # first: reserving may grow (reallocate) a layer's buffers
         out = h.clone(memory_format=torch.contiguous_format)  # updated in place; the caller keeps h
         ops = self.fast_layers[start].ops
         assert ops is not None  # a plan exists only where the compiled ops do
@@ -404,7 +399,7 @@ class SplitModel:
             raise IndexError(f"token id {token} out of range [0, {self.vocab_size})")
         ops, plan, kinds = built
         tables = [self._rotary_table(kind, self._probe, position + 1) for kind in kinds]
-        starts = [cache.reserve(i, 1) for i in range(self.num_layers)]  # reserving may grow a layer's buffers
+        starts = cache.reserve_all(1)  # reserving may grow a layer's buffers
         return ops, plan, [t[0] for t in tables], [t[1] for t in tables], cache.keys, cache.values, starts
 
     def _plain_step(self) -> tuple[Any, Any, list[str]] | None:
@@ -444,6 +439,9 @@ def consecutive(positions: torch.Tensor) -> int | None:
     n = positions.shape[-1]
     if positions.dim() != 2 or positions.shape[0] != 1 or n == 0:
         return None
+    known = getattr(positions, "first", None)  # made consecutive (SequenceState.positions): no values to read
+    if known is not None:
+        return known
     first = int(positions[0, 0])
     return first if n == 1 or positions[0].tolist() == list(range(first, first + n)) else None
 
