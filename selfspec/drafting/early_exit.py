@@ -163,11 +163,9 @@ class EarlyExitDrafter(BaseDrafter):
         if end > finals.shape[0]:
             finals = seq.extras["finals"] = torch.cat([finals, finals.new_zeros(end, finals.shape[1])])
         width = min(finals.shape[1], states.shape[1])  # a verdict without the context layers' states: zeros there
-        if width == finals.shape[1]:  # the usual case in one op (each small op after a step costs ~20-60 us cold)
-            finals[start + 1 : end] = states if states.shape[1] == width else states[:, :width]
-            return
         finals[start + 1 : end, :width] = states[:, :width]
-        finals[start + 1 : end, width:] = 0
+        if width < finals.shape[1]:  # (no empty fill otherwise: each small op after a step costs ~20-60 us cold)
+            finals[start + 1 : end, width:] = 0
 
     def _deep_inputs(self, seq: SequenceState, h: torch.Tensor,
                      f_prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

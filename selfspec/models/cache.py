@@ -77,12 +77,11 @@ class KVCache:
     def reserve_all(self, n: int, first: int = 0, end: int | None = None) -> list[int]:
         """``reserve(i, n)`` for layers [first, end) (default: all) in one call (a decoding step's Python, run once
         per round): their old lengths."""
-        end = len(self.lengths) if end is None else end
         starts = self.lengths[first:end]
-        self.lengths = self.lengths[:first] + [s + n for s in starts] + self.lengths[end:]
         for i, s in enumerate(starts, first):
             if s + n > self.keys[i].shape[2]:
                 self._grow(i, s + n)
+            self.lengths[i] = s + n
         return starts
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
