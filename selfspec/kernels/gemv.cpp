@@ -47,20 +47,8 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict b
 
 }  // namespace
 
-// x [M, K] float32 contiguous; packed [N_pad / R, K, R]; bias [N] or empty; out [M, N]
-// (written, or added to when accumulate). Returns out.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out,
-                     bool accumulate) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == R && packed.is_contiguous(), "packed weight: [N/8, K, 8]");
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NB = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K && K % 4 == 0, "x has ", K, " columns, the weight ", packed.size(1));
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.is_contiguous() && N <= NB * R, "out: [M, N]");
-  TORCH_CHECK(M >= 1 && M <= 16, "the decoding kernel takes 1 to 16 rows, got ", M);
-  const float* xp = x.data_ptr<float>();
-  const float* pp = packed.data_ptr<float>();
-  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  float* yp = out.data_ptr<float>();
+void raw::linear(const float* xp, int64_t M, int64_t K, const float* pp, int64_t NB, const float* bp, float* yp,
+                 int64_t N, bool accumulate) {
   // OpenMP directly: torch's own pool (libgomp, sized by torch.set_num_threads); measured faster here
   // than at::parallel_for for these ~100-block loops.
 #pragma omp parallel for schedule(static)
@@ -93,5 +81,19 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, 
         yp[m * N + n] = accumulate ? yp[m * N + n] + v : v;
       }
   }
+}
+
+// x [M, K] float32 contiguous; packed [N_pad / R, K, R]; bias [N] or empty; out [M, N]
+// (written, or added to when accumulate). Returns out.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out,
+                     bool accumulate) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == R && packed.is_contiguous(), "packed weight: [N/8, K, 8]");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NB = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K && K % 4 == 0, "x has ", K, " columns, the weight ", packed.size(1));
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.is_contiguous() && N <= NB * R, "out: [M, N]");
+  TORCH_CHECK(M >= 1 && M <= 16, "the decoding kernel takes 1 to 16 rows, got ", M);
+  raw::linear(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), NB, bias.numel() ? bias.data_ptr<float>() : nullptr,
+              out.data_ptr<float>(), N, accumulate);
   return out;
 }

@@ -3,6 +3,19 @@
 #pragma once
 #include <torch/extension.h>
 
+// f(i) for i in [0, n): split over the threads (static schedule) when ``parallel``, else on the calling thread without
+// entering an OpenMP region: a region that an if clause keeps on one thread still costs ~0.4 us (libgomp's team start
+// and end; AMD Zen 5), and a decoding step's layer made four (its norms, rotary and silu of a few rows).
+template <typename F>
+inline void for_range(int64_t n, bool parallel, const F& f) {
+  if (parallel) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) f(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) f(i);
+  }
+}
+
 // gemv.cpp
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out, bool accumulate);
 
@@ -33,6 +46,38 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
                         double scale);
 torch::Tensor silu_mul(torch::Tensor gu);
 torch::Tensor argmax_rows(torch::Tensor x);
+
+// The same kernels on raw pointers, for step.cpp's compiled layers: no tensor is made or checked per call (the
+// tensor functions above check their arguments, then call these). A step's ~10 kernel calls a layer through the
+// tensor functions made ~6 tensors and ~30 checks and views a layer: ~12 us a layer on a random 24-layer model of
+// hidden size 128 (one thread, AMD Zen 5), half that step's time.
+namespace raw {
+// A packed block-quantized weight (quant.cpp's layout): checked once by qweight.
+struct QWeight {
+  const uint8_t* codes;   // [NB, G, group bytes]
+  const void* scales;     // [NB, G, 16] float32 or float16
+  const void* offsets;    // the same, or nullptr (the type has none)
+  bool half;              // scales and offsets are float16
+  int64_t NB, G, group, bits;
+  float z;
+};
+QWeight qweight(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets, int64_t bits,
+                int64_t group, double z);
+// y [M, N] (row stride ldy) = or += x [M, K = G * group] @ W^T (+ bias [N] or nullptr); N within W's blocks.
+void qlinear(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t ldy, int64_t N,
+             bool accumulate);
+void qlinear_i8(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t ldy, int64_t N,
+                bool accumulate);
+// gemv.cpp's linear: packed [NB, K, 8]; y [M, N] contiguous; 1 <= M <= 16, K % 4 == 0.
+void linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t NB, const float* bias, float* y,
+            int64_t N, bool accumulate);
+void rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t H, double eps);  // y may be x
+void rope_qkv(const float* qkv, const float* cos, const float* sin, float* q, float* keys, float* values, int64_t B,
+              int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t cap, int64_t start, int64_t rot);
+void attention(const float* q, const float* keys, const float* values, float* out, int64_t B, int64_t n, int64_t hq,
+               int64_t d, int64_t hkv, int64_t cap, int64_t start, int64_t window, double scale);
+void silu_mul(const float* gu, float* y, int64_t M, int64_t I);
+}  // namespace raw
 
 // step.cpp: LayerPlan, run_layers
 void bind_step(pybind11::module_& m);

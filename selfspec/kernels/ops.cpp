@@ -29,16 +29,8 @@ void check_f32(const torch::Tensor& t, const char* name) {
 }  // namespace
 
 // y = x / sqrt(mean(x^2) + eps) * w over the last dim (w already 1 + w for Gemma's norms).
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  check_f32(x, "x");
-  check_f32(w, "w");
-  const int64_t H = x.size(-1), M = x.numel() / H;
-  auto y = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
-  for (int64_t m = 0; m < M; ++m) {
+void raw::rms_norm(const float* xp, const float* wp, float* yp, int64_t M, int64_t H, double eps) {
+  for_range(M, M >= PARALLEL_ROWS, [&](int64_t m) {
     const float* xr = xp + m * H;
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -47,13 +39,46 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     float* yr = yp + m * H;
 #pragma omp simd
     for (int64_t i = 0; i < H; ++i) yr[i] = wp[i] * (xr[i] * r);
-  }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  const int64_t H = x.size(-1), M = x.numel() / H;
+  TORCH_CHECK(w.numel() == H, "w: ", H, " weights, got ", w.numel());
+  auto y = torch::empty_like(x);
+  raw::rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, H, eps);
   return y;
 }
 
 // Rotary on the q and k heads of qkv; k and v written into the cache at [start, start + n).
 // Returns q [B, n, hq, d]. rotate_half: out[j] = x[j] cos[j] - x[j + h] sin[j] (j < h),
 //                                       out[j] = x[j] cos[j] + x[j - h] sin[j] (h <= j < rot).
+void raw::rope_qkv(const float* src, const float* cp, const float* sp, float* qp, float* kp, float* vp, int64_t B,
+                   int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t cap, int64_t start, int64_t rot) {
+  const int64_t half = rot / 2, heads = hq + 2 * hkv;
+  for_range(B * n, B * n >= PARALLEL_ROWS, [&](int64_t bi) {  // row bi = b * n + i
+    const int64_t b = bi / n, i = bi % n;
+    const float* row = src + (b * n + i) * heads * d;
+    const float* c = cp + (b * n + i) * rot;
+    const float* s = sp + (b * n + i) * rot;
+    for (int64_t h = 0; h < hq + hkv; ++h) {
+      const float* x = row + h * d;
+      float* out = h < hq ? qp + ((b * n + i) * hq + h) * d
+                          : kp + ((b * hkv + (h - hq)) * cap + start + i) * d;
+      for (int64_t j = 0; j < half; ++j) out[j] = x[j] * c[j] - x[j + half] * s[j];
+      for (int64_t j = half; j < rot; ++j) out[j] = x[j] * c[j] + x[j - half] * s[j];
+      for (int64_t j = rot; j < d; ++j) out[j] = x[j];
+    }
+    for (int64_t h = 0; h < hkv; ++h) {
+      const float* x = row + (hq + hkv + h) * d;
+      float* out = vp + ((b * hkv + h) * cap + start + i) * d;
+      for (int64_t j = 0; j < d; ++j) out[j] = x[j];
+    }
+  });
+}
+
 torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
                        torch::Tensor values, int64_t start, int64_t hq, int64_t hkv) {
   check_f32(qkv, "qkv");
@@ -62,36 +87,12 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   check_f32(keys, "keys");
   check_f32(values, "values");
   const int64_t B = qkv.size(0), n = qkv.size(1), d = keys.size(3), cap = keys.size(2);
-  const int64_t rot = cos.size(-1), half = rot / 2, heads = hq + 2 * hkv;
+  const int64_t rot = cos.size(-1), heads = hq + 2 * hkv;
   TORCH_CHECK(qkv.size(2) == heads * d, "qkv width");
   TORCH_CHECK(start + n <= cap, "cache too small");
   auto q = torch::empty({B, n, hq, d}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
-  float* kp = keys.data_ptr<float>();
-  float* vp = values.data_ptr<float>();
-#pragma omp parallel for collapse(2) schedule(static) if (B * n >= PARALLEL_ROWS)
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < n; ++i) {
-      const float* row = src + (b * n + i) * heads * d;
-      const float* c = cp + (b * n + i) * rot;
-      const float* s = sp + (b * n + i) * rot;
-      for (int64_t h = 0; h < hq + hkv; ++h) {
-        const float* x = row + h * d;
-        float* out = h < hq ? qp + ((b * n + i) * hq + h) * d
-                            : kp + ((b * hkv + (h - hq)) * cap + start + i) * d;
-        for (int64_t j = 0; j < half; ++j) out[j] = x[j] * c[j] - x[j + half] * s[j];
-        for (int64_t j = half; j < rot; ++j) out[j] = x[j] * c[j] + x[j - half] * s[j];
-        for (int64_t j = rot; j < d; ++j) out[j] = x[j];
-      }
-      for (int64_t h = 0; h < hkv; ++h) {
-        const float* x = row + (hq + hkv + h) * d;
-        float* out = vp + ((b * hkv + h) * cap + start + i) * d;
-        for (int64_t j = 0; j < d; ++j) out[j] = x[j];
-      }
-    }
+  raw::rope_qkv(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(),
+                keys.data_ptr<float>(), values.data_ptr<float>(), B, n, hq, hkv, d, cap, start, rot);
   return q;
 }
 
@@ -449,6 +450,12 @@ static bool attend_decode_any(const float* qp, const float* kp, const float* vp,
   }
 }
 
+void raw::attention(const float* qp, const float* kp, const float* vp, float* op, int64_t B, int64_t n, int64_t hq,
+                    int64_t d, int64_t hkv, int64_t cap, int64_t start, int64_t window, double scale) {
+  if (!attend_decode_any(qp, kp, vp, op, B, n, hq, d, hkv, cap, start, window, static_cast<float>(scale)))
+    attend(qp, kp, vp, op, B, n, hq, d, hkv, cap, start, window, static_cast<float>(scale));
+}
+
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
                         int64_t window, double scale) {
   check_f32(q, "q");
@@ -458,27 +465,15 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   const int64_t hkv = keys.size(1), cap = keys.size(2);
   TORCH_CHECK(start + n <= cap, "cache too small");
   auto out = torch::empty({B, n, hq * d}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  if (!attend_decode_any(qp, kp, vp, op, B, n, hq, d, hkv, cap, start, window, static_cast<float>(scale)))
-    attend(qp, kp, vp, op, B, n, hq, d, hkv, cap, start, window, static_cast<float>(scale));
+  raw::attention(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), out.data_ptr<float>(), B, n,
+                 hq, d, hkv, cap, start, window, scale);
   return out;
 }
 
 // silu(gate) * up for gu = [gate | up] along the last dim: [..., 2I] -> [..., I].
-torch::Tensor silu_mul(torch::Tensor gu) {
-  check_f32(gu, "gate_up");
-  const int64_t I = gu.size(-1) / 2, M = gu.numel() / (2 * I);
-  auto sizes = gu.sizes().vec();
-  sizes.back() = I;
-  auto y = torch::empty(sizes, gu.options());
-  const float* g = gu.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+void raw::silu_mul(const float* g, float* yp, int64_t M, int64_t I) {
   constexpr int64_t CHUNK = 256;
-#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
-  for (int64_t m = 0; m < M; ++m) {
+  for_range(M, M >= PARALLEL_ROWS, [&](int64_t m) {
     const float* gm = g + m * 2 * I;
     float* ym = yp + m * I;
     for (int64_t i0 = 0; i0 < I; i0 += CHUNK) {  // e^-x clamped to [-87, 88], then x / (1 + e^-x) * up
@@ -490,7 +485,16 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 #pragma omp simd
       for (int64_t i = 0; i < c; ++i) ym[i0 + i] = gm[i0 + i] / (1.f + e[i]) * gm[I + i0 + i];
     }
-  }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  check_f32(gu, "gate_up");
+  const int64_t I = gu.size(-1) / 2, M = gu.numel() / (2 * I);
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto y = torch::empty(sizes, gu.options());
+  raw::silu_mul(gu.data_ptr<float>(), y.data_ptr<float>(), M, I);
   return y;
 }
 
@@ -504,8 +508,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   auto out = torch::empty({M}, x.options().dtype(torch::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-#pragma omp parallel for schedule(static) if (M * N >= (int64_t{1} << 20))
-  for (int64_t m = 0; m < M; ++m) {
+  for_range(M, M * N >= (int64_t{1} << 20), [&](int64_t m) {
     const float* r = xp + m * N;
     vf mx = bcast(-INFINITY);
     bool nan = false;
@@ -530,7 +533,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
       while (r[at] != best) ++at;
     }
     op[m] = at;
-  }
+  });
   return out;
 }
 

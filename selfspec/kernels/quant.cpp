@@ -566,6 +566,23 @@ LinearArgs linear_args(const torch::Tensor& x, const torch::Tensor& codes, const
 
 }  // namespace
 
+raw::QWeight raw::qweight(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
+                          int64_t bits, int64_t group, double z) {
+  check_packed(codes, scales, offsets, bits, group);
+  TORCH_CHECK(bits != 8 || z == 128.0, "8-bit codes must have zero point 128 (Q8_0, Q6_K), got ", z);
+  const Sc s = sc_of(scales), o = sc_of(offsets);
+  return {codes.data_ptr<uint8_t>(), s.p, o.p, s.half, codes.size(0), codes.size(1), group, bits, (float)z};
+}
+
+void raw::qlinear(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t ldy, int64_t N,
+                  bool accumulate) {
+  dispatch(w.bits, w.offsets != nullptr, [&](auto B, auto O) {
+    run<decltype(B)::value, decltype(O)::value>(x, M, w.G * w.group, w.codes, Sc{w.scales, w.half},
+                                                Sc{w.offsets, w.half}, w.NB, w.G, w.group, w.z, bias, y, ldy, N,
+                                                accumulate);
+  });
+}
+
 // x [M, K] float32 contiguous; the packed weight (codes, scales, offsets, bits, group, zero point z);
 // bias [N] or empty; out [M, >= N] with unit column stride (a column slice of a wider output is fine),
 // written or added to. Returns out.
@@ -708,22 +725,20 @@ inline void code_pairs(const uint8_t* c, int64_t g, int k, __m256i& A, __m256i& 
 // pair (x_k, x_k+1) as int16, 8 times.
 void xpairs(const int8_t* qx, int64_t M, int64_t K, int64_t bits, int8_t* out) {
   if (bits == 8) {
-#pragma omp parallel for schedule(static) if (M * K >= ROUND_PARALLEL)
-    for (int64_t i = 0; i < M * K / 2; ++i) {
+    for_range(M * K / 2, M * K >= ROUND_PARALLEL, [&](int64_t i) {
       const uint32_t lo = (uint16_t)(int16_t)qx[2 * i], hi = (uint16_t)(int16_t)qx[2 * i + 1];
       const int32_t two = (int32_t)(lo | hi << 16);
       _mm256_storeu_si256((__m256i*)(out + 32 * i), _mm256_set1_epi32(two));
-    }
+    });
     return;
   }
   const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-#pragma omp parallel for schedule(static) if (M * K >= ROUND_PARALLEL)
-  for (int64_t i = 0; i < M * K / 4; ++i) {
+  for_range(M * K / 4, M * K >= ROUND_PARALLEL, [&](int64_t i) {
     int32_t four;
     std::memcpy(&four, qx + 4 * i, 4);
     _mm256_storeu_si256((__m256i*)(out + 32 * i), _mm256_shuffle_epi8(_mm256_set1_epi32(four), spread));
-  }
+  });
 }
 #else
 constexpr bool PAIRS = false;
@@ -899,15 +914,14 @@ struct Rounded {
       : qx(new int8_t[M * K]), dx(M * K / group), sx(M * K / group) {  // qx uninitialized: every byte is written
     const int64_t MG = M * K / group;
     int bad = 0;
-    // Groups are independent: a prefill's rows are rounded on every thread (one row is not worth waking them).
-#pragma omp parallel for schedule(static) reduction(| : bad) if (M * K >= ROUND_PARALLEL)
-    for (int64_t i = 0; i < MG; ++i) {  // row m = i / G, group j = i % G
+    const auto round_group = [&](int64_t i) {  // row m = i / G, group j = i % G; -> whether an x was not finite
       const float* xg = xp + i * group;
       float amax = 0.f;
+      int b = 0;
       for (int64_t k = 0; k < group; ++k) {
         const float v = std::fabs(xg[k]);
         amax = std::max(amax, v);
-        bad |= !(v <= FLT_MAX);  // NaN or infinite (std::max drops a NaN)
+        b |= !(v <= FLT_MAX);  // NaN or infinite (std::max drops a NaN)
       }
       const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
       int32_t sum = 0;
@@ -919,6 +933,15 @@ struct Rounded {
       }
       dx[i] = d;
       sx[i] = sum;
+      return b;
+    };
+    // Groups are independent: a prefill's rows are rounded on every thread; a step's few rows on this one, without
+    // an OpenMP region (see for_range).
+    if (M * K >= ROUND_PARALLEL) {
+#pragma omp parallel for schedule(static) reduction(| : bad)
+      for (int64_t i = 0; i < MG; ++i) bad |= round_group(i);
+    } else {
+      for (int64_t i = 0; i < MG; ++i) bad |= round_group(i);
     }
     finite = !bad;
 #if !defined(__AVX512F__) && defined(__AVX2__)
@@ -931,6 +954,17 @@ struct Rounded {
 };
 
 }  // namespace
+
+void raw::qlinear_i8(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t ldy, int64_t N,
+                     bool accumulate) {
+  const int64_t K = w.G * w.group;
+  const Rounded r(x, M, K, w.group, w.bits);
+  dispatch(w.bits, w.offsets != nullptr, [&](auto B, auto O) {
+    run_i8<decltype(B)::value, decltype(O)::value>(r.qx.get(), r.pairs.get(), r.dx.data(), r.sx.data(), M, K, w.codes,
+                                                   Sc{w.scales, w.half}, Sc{w.offsets, w.half}, w.NB, w.G, w.group,
+                                                   w.z, bias, y, ldy, N, accumulate);
+  });
+}
 
 // As qlinear, with x rounded to 8 bits per group of the weight's group size (the int8 numerics mode).
 torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
@@ -1036,8 +1070,7 @@ int64_t qargmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torc
     constexpr bool OO = decltype(O)::value;
     const int64_t CB = group_bytes(BB, group);
     const std::vector<float> xsum = group_sums<BB, OO>(xp, M, G, group);  // as run
-#pragma omp parallel for schedule(static) if (C > 8)
-    for (int64_t c = 0; c < C; ++c) {
+    for_range(C, C > 8, [&](int64_t c) {
       const int64_t b = blocks[c];
       float res[MCMAX * L];
       const uint8_t* cb = a.codes + b * G * CB;
@@ -1051,7 +1084,7 @@ int64_t qargmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torc
         std::memcpy(exact.data() + (c * M + m0) * L, res, mc * L * sizeof(float));
         m0 += mc;
       }
-    }
+    });
   });
   // The first maximum in row order (torch.argmax's choice among equal values; a NaN is a maximum, as there).
   for (int64_t m = 0; m < M; ++m) {
@@ -1091,8 +1124,7 @@ torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
   float* yp = out.data_ptr<float>();
   for (int64_t i = 0; i < R; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < NB * L, "row id ", ip[i], " out of range");
   const float zf = (float)z;
-#pragma omp parallel for schedule(static) if (R * K > 65536)
-  for (int64_t i = 0; i < R; ++i) {
+  for_range(R, R * K > 65536, [&](int64_t i) {
     const int64_t b = ip[i] / L, lane = ip[i] % L;
     for (int64_t j = 0; j < G; ++j) {
       const uint8_t* c = cp + (b * G + j) * CB;
@@ -1114,7 +1146,7 @@ torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
         yp[i * K + j * group + k] = op.p ? w - o : w;
       }
     }
-  }
+  });
   return out;
 }
 

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <tuple>
 #include <vector>
@@ -31,6 +32,9 @@ struct Part {
   double z;
   torch::Tensor bias;  // [b - a] or empty
   int64_t a, b;
+  raw::QWeight w{};      // kinds 0 and 1: the weight's pointers (checked once, by make_linear)
+  int64_t K = 0;         // input columns
+  const float* bias_p = nullptr;
 };
 
 // A PackedLinear (selfspec/kernels/linear.py) as its kernel calls, in order.
@@ -52,7 +56,44 @@ struct Linear {
         qlinear(x, p.codes, p.scales, p.offsets, p.bits, p.group, p.z, p.bias, out, accumulate);
     }
   }
+
+  int64_t in_features() const { return parts[0].K; }
+
+  // The same on raw pointers: y [rows, out_features] (row stride ldy; a float32 part needs ldy == out_features),
+  // x [rows, in_features] contiguous. The same kernels with the same arguments as apply, so bit for bit its results.
+  void apply_raw(const float* x, int64_t rows, float* y, int64_t ldy, bool accumulate) const {
+    for (const Part& p : parts) {
+      if (p.kind == 2)
+        raw::linear(x, rows, p.K, p.codes.data_ptr<float>(), p.codes.size(0), p.bias_p, y, out_features, accumulate);
+      else if (p.kind == 1)
+        raw::qlinear_i8(x, rows, p.w, p.bias_p, y + p.a, ldy, p.b - p.a, accumulate);
+      else
+        raw::qlinear(x, rows, p.w, p.bias_p, y + p.a, ldy, p.b - p.a, accumulate);
+    }
+  }
 };
+
+// This thread's scratch memory for a layer's intermediate rows (a step's few rows: tens of KB), 64-byte aligned,
+// kept between calls so that a step allocates nothing per layer.
+float* scratch(size_t floats) {
+  struct Buffer {
+    float* p = nullptr;
+    size_t n = 0;
+    ~Buffer() { std::free(p); }
+  };
+  thread_local Buffer buf;
+  if (floats > buf.n) {
+    const size_t n = (floats + 1023) / 1024 * 1024;
+    float* p = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
+    TORCH_CHECK(p, "out of memory for a step's scratch rows (", n * sizeof(float), " bytes)");
+    std::free(buf.p);
+    buf.p = p;
+    buf.n = n;
+  }
+  return buf.p;
+}
+
+inline int64_t padded(int64_t floats) { return (floats + 15) / 16 * 16; }  // a 64-byte multiple
 
 struct LayerPlan {
   Linear qkv, o, gate_up, down;
@@ -62,35 +103,77 @@ struct LayerPlan {
   double scaling;
 
   // h [B, n, hidden] (contiguous, updated in place); keys / values [B, hkv, capacity, d] this layer's cache,
-  // entries [start, start + n) written here.
+  // entries [start, start + n) written here; cos / sin [B, n, rot] contiguous. The kernels on raw pointers with
+  // the intermediate rows in this thread's scratch (no tensor made): the same calls, in the same order and with
+  // the same arguments as the tensor functions, so bit for bit their results.
   void forward(const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& keys,
                const torch::Tensor& values, int64_t start) const {
-    const int64_t B = h.size(0), n = h.size(1), hidden = h.size(2), rows = B * n;
-    const torch::Tensor h2 = h.view({rows, hidden});
-    torch::Tensor x = rms_norm(h, input_norm, input_eps);
-    const torch::Tensor y = torch::empty({B, n, qkv.out_features}, h.options());
-    qkv.apply(x.view({rows, hidden}), y.view({rows, qkv.out_features}), false);
-    if (q_norm.numel()) {  // Qwen3: per-head norms of q and k before rotary (as FastLayer._qkv)
-      torch::Tensor heads = y.view({B, n, hq + 2 * hkv, head_dim});
-      heads.narrow(2, 0, hq).copy_(rms_norm(heads.narrow(2, 0, hq).contiguous(), q_norm, q_eps));
-      heads.narrow(2, hq, hkv).copy_(rms_norm(heads.narrow(2, hq, hkv).contiguous(), k_norm, k_eps));
+    const int64_t B = h.size(0), n = h.size(1), hidden = h.size(2), rows = B * n, d = head_dim;
+    const int64_t cap = keys.size(2), rot = cos.size(-1), inter = gate_up.out_features / 2;
+    const int64_t W = qkv.out_features;  // (hq + 2 hkv) d
+    TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == torch::kFloat && rows >= 1 && rows <= 16 &&
+                    hidden == qkv.in_features(),
+                "h: [B, n, hidden] float32 contiguous, 1-16 rows");
+    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == B && keys.size(1) == hkv && keys.size(3) == d &&
+                    keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() &&
+                    keys.scalar_type() == torch::kFloat && values.scalar_type() == torch::kFloat,
+                "keys, values: [B, hkv, capacity, head_dim] float32 contiguous");
+    TORCH_CHECK(start >= 0 && start + n <= cap, "cache too small");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat &&
+                    sin.sizes() == cos.sizes() && sin.scalar_type() == torch::kFloat && cos.numel() == rows * rot &&
+                    rot <= d,
+                "cos, sin: [B, n, rot] float32 contiguous");
+    float* hp = h.data_ptr<float>();
+    float* x = scratch(padded(rows * hidden) + padded(rows * W) + 2 * padded(rows * hq * d) +
+                       padded(rows * 2 * inter) + padded(rows * inter));
+    float* y = x + padded(rows * hidden);
+    float* q = y + padded(rows * W);
+    float* a = q + padded(rows * hq * d);
+    float* gu = a + padded(rows * hq * d);
+    float* act = gu + padded(rows * 2 * inter);
+    raw::rms_norm(hp, input_norm.data_ptr<float>(), x, rows, hidden, input_eps);
+    qkv.apply_raw(x, rows, y, W, false);
+    if (q_norm.numel()) {  // Qwen3: per-head norms of q and k before rotary (as FastLayer._qkv), in place
+      for (int64_t r = 0; r < rows; ++r) {
+        raw::rms_norm(y + r * W, q_norm.data_ptr<float>(), y + r * W, hq, d, q_eps);
+        raw::rms_norm(y + r * W + hq * d, k_norm.data_ptr<float>(), y + r * W + hq * d, hkv, d, k_eps);
+      }
     }
-    torch::Tensor q = rope_qkv(y, cos, sin, keys, values, start, hq, hkv);
-    torch::Tensor a = attention(q, keys, values, start, window, scaling);
-    o.apply(a.view({rows, hq * head_dim}), h2, true);
-    x = rms_norm(h, post_norm, post_eps);
-    torch::Tensor gu = torch::empty({rows, gate_up.out_features}, h.options());
-    gate_up.apply(x.view({rows, hidden}), gu, false);
-    down.apply(silu_mul(gu), h2, true);
+    raw::rope_qkv(y, cos.data_ptr<float>(), sin.data_ptr<float>(), q, keys.data_ptr<float>(),
+                  values.data_ptr<float>(), B, n, hq, hkv, d, cap, start, rot);
+    raw::attention(q, keys.data_ptr<float>(), values.data_ptr<float>(), a, B, n, hq, d, hkv, cap, start, window,
+                   scaling);
+    o.apply_raw(a, rows, hp, hidden, true);
+    raw::rms_norm(hp, post_norm.data_ptr<float>(), x, rows, hidden, post_eps);
+    gate_up.apply_raw(x, rows, gu, 2 * inter, false);
+    raw::silu_mul(gu, act, rows, inter);
+    down.apply_raw(act, rows, hp, hidden, true);
   }
 };
 
 Linear make_linear(std::vector<Part> parts, int64_t out_features) {
-  for (const Part& p : parts) {
+  TORCH_CHECK(!parts.empty(), "a linear needs its parts");
+  for (Part& p : parts) {
     TORCH_CHECK(p.kind >= 0 && p.kind <= 2, "part kind must be 0, 1 or 2");
     TORCH_CHECK(p.kind != 2 || (parts.size() == 1 && p.a == 0 && p.b == out_features),
                 "a float32 part must be the linear's only one");
     TORCH_CHECK(0 <= p.a && p.a < p.b && p.b <= out_features, "part columns out of range");
+    TORCH_CHECK(p.bias.numel() == 0 || (p.bias.numel() == p.b - p.a && p.bias.is_contiguous() &&
+                                        p.bias.scalar_type() == torch::kFloat),
+                "bias: [b - a] float32 or empty");
+    p.bias_p = p.bias.numel() ? p.bias.data_ptr<float>() : nullptr;
+    if (p.kind == 2) {
+      TORCH_CHECK(p.codes.dim() == 3 && p.codes.size(2) == 8 && p.codes.is_contiguous() &&
+                      p.codes.scalar_type() == torch::kFloat && p.codes.size(1) % 4 == 0 &&
+                      out_features <= p.codes.size(0) * 8,
+                  "a float32 part's packed weight: [N / 8, K, 8] float32, K % 4 == 0");
+      p.K = p.codes.size(1);
+    } else {
+      p.w = raw::qweight(p.codes, p.scales, p.offsets, p.bits, p.group, p.z);
+      TORCH_CHECK(p.b - p.a <= p.w.NB * 16 && p.b - p.a > (p.w.NB - 1) * 16, "a part's columns fill its blocks");
+      p.K = p.w.G * p.w.group;
+    }
+    TORCH_CHECK(p.K == parts[0].K || &p == &parts[0], "every part of a linear reads the same input width");
   }
   return Linear{std::move(parts), out_features};
 }
@@ -325,6 +408,18 @@ void bind_step(pybind11::module_& m) {
                        torch::Tensor post_norm, double post_eps, torch::Tensor q_norm, double q_eps,
                        torch::Tensor k_norm, double k_eps, int64_t hq, int64_t hkv, int64_t head_dim, int64_t window,
                        double scaling) {
+             const int64_t hidden = input_norm.numel(), W = (hq + 2 * hkv) * head_dim;
+             TORCH_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0 && head_dim > 0, "heads: hq a multiple of hkv");
+             TORCH_CHECK(qkv.in_features() == hidden && qkv.out_features == W && o.in_features() == hq * head_dim &&
+                             o.out_features == hidden && gate_up.in_features() == hidden &&
+                             gate_up.out_features % 2 == 0 && down.in_features() == gate_up.out_features / 2 &&
+                             down.out_features == hidden && post_norm.numel() == hidden,
+                         "a layer plan's linears and norms must chain (hidden ", hidden, ")");
+             TORCH_CHECK(q_norm.numel() == 0 || (q_norm.numel() == head_dim && k_norm.numel() == head_dim),
+                         "q and k norms: head_dim weights each");
+             for (const torch::Tensor* t : {&input_norm, &post_norm, &q_norm, &k_norm})
+               TORCH_CHECK(t->numel() == 0 || (t->is_contiguous() && t->scalar_type() == torch::kFloat),
+                           "norm weights: float32 contiguous");
              return std::make_shared<LayerPlan>(LayerPlan{qkv, o, gate_up, down, input_norm, post_norm, q_norm, k_norm,
                                                           input_eps, post_eps, q_eps, k_eps, hq, hkv, head_dim, window,
                                                           scaling});
