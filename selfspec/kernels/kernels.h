@@ -77,6 +77,7 @@ void rope_qkv(const float* qkv, const float* cos, const float* sin, float* q, fl
 void attention(const float* q, const float* keys, const float* values, float* out, int64_t B, int64_t n, int64_t hq,
                int64_t d, int64_t hkv, int64_t cap, int64_t start, int64_t window, double scale);
 void silu_mul(const float* gu, float* y, int64_t M, int64_t I);
+void argmax_rows(const float* x, int64_t M, int64_t N, int64_t* out);  // N > 0
 }  // namespace raw
 
 // step.cpp: LayerPlan, run_layers

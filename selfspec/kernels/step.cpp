@@ -221,14 +221,21 @@ std::vector<torch::Tensor> head_step(const HeadPlan& p, const torch::Tensor& h, 
               "ctx: h's shape, float32 contiguous");
   const int64_t n = h.size(1), hidden = h.size(2);
   TORCH_CHECK(n >= 1 && n <= 16, "a head step of 1-16 rows, got ", n);
-  const torch::Tensor x = torch::cat({rms_norm(h, p.norm_h, p.eps_h), rms_norm(ctx, p.norm_f, p.eps_f)}, -1);
-  torch::Tensor f = torch::empty({n, p.fuse.out_features}, h.options());
-  p.fuse.apply(x.view({n, 2 * hidden}), f, false);
-  f = f.view({1, n, hidden});
+  TORCH_CHECK(hidden == p.norm_h.numel(), "h: rows of ", p.norm_h.numel(), ", got ", hidden);
+  // x = [rms_norm(h) | rms_norm(ctx)] row by row in this thread's scratch (the layers reuse it after the fuse)
+  float* x = scratch(padded(n * 2 * hidden));
+  const float *hp = h.data_ptr<float>(), *cp = ctx.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    raw::rms_norm(hp + r * hidden, p.norm_h.data_ptr<float>(), x + r * 2 * hidden, 1, hidden, p.eps_h);
+    raw::rms_norm(cp + r * hidden, p.norm_f.data_ptr<float>(), x + r * 2 * hidden + hidden, 1, hidden, p.eps_f);
+  }
+  torch::Tensor f = torch::empty({1, n, hidden}, h.options());
+  p.fuse.apply_raw(x, n, f.data_ptr<float>(), hidden, false);
   for (size_t i = 0; i < L; ++i) p.layers[i]->forward(f, cos[i], sin[i], keys[i], values[i], starts[i]);
-  const torch::Tensor last = rms_norm(f.narrow(1, n - 1, 1).contiguous(), p.norm_out, p.eps_out);
+  float* last = scratch(padded(hidden));
+  raw::rms_norm(f.data_ptr<float>() + (n - 1) * hidden, p.norm_out.data_ptr<float>(), last, 1, hidden, p.eps_out);
   torch::Tensor logits = torch::empty({1, p.lm.out_features}, h.options());
-  p.lm.apply(last.view({1, hidden}), logits, false);
+  p.lm.apply_raw(last, 1, logits.data_ptr<float>(), p.lm.out_features, false);
   return {f, logits};
 }
 
@@ -242,13 +249,31 @@ struct GreedyHead {
   Linear lm;
 };
 
+// ids [rows] of h [rows, hidden] float32 contiguous, the norm's rows and the logits in this thread's scratch.
+void greedy_ids(const GreedyHead& g, const float* h, int64_t rows, int64_t* ids) {
+  const int64_t hidden = g.norm.numel(), V = g.lm.out_features;
+  float* x = scratch(padded(rows * hidden) + rows * V);
+  float* logits = x + padded(rows * hidden);
+  raw::rms_norm(h, g.norm.data_ptr<float>(), x, rows, hidden, g.eps);
+  g.lm.apply_raw(x, rows, logits, V, false);
+  raw::argmax_rows(logits, rows, V, ids);
+}
+
 torch::Tensor greedy_head(const GreedyHead& g, const torch::Tensor& h) {  // h [rows, hidden] -> ids [rows] int64
-  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= 16 && h.scalar_type() == torch::kFloat,
+  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= 16 && h.scalar_type() == torch::kFloat &&
+                  h.size(1) == g.norm.numel(),
               "h: [rows, hidden] float32, 1-16 rows");
-  const torch::Tensor x = rms_norm(h.contiguous(), g.norm, g.eps);
-  torch::Tensor logits = torch::empty({h.size(0), g.lm.out_features}, h.options());
-  g.lm.apply(x, logits, false);
-  return argmax_rows(logits);
+  const torch::Tensor hc = h.contiguous();
+  torch::Tensor ids = torch::empty({h.size(0)}, h.options().dtype(torch::kLong));
+  greedy_ids(g, hc.data_ptr<float>(), h.size(0), ids.data_ptr<int64_t>());
+  return ids;
+}
+
+// The next token of a step's final state h [1, 1, hidden] (greedy_head's, without its tensors).
+int64_t greedy_next(const GreedyHead& g, const torch::Tensor& h) {
+  int64_t next;
+  greedy_ids(g, h.data_ptr<float>(), 1, &next);
+  return next;
 }
 
 // A plain greedy decoding step of one sequence (``SplitModel.greedy_step``) in one call: the pending token's
@@ -317,7 +342,7 @@ int64_t greedy_step(const PlainStep& p, int64_t token, int64_t position, const s
   rotary_at(p, position, cos, sin, c, s);
   const torch::Tensor h = embed_row(p, token);
   layers_range(p, h, 0, p.layers.size(), c, s, keys, values, starts);
-  return greedy_head(p.head, h.view({1, p.hidden})).item<int64_t>();
+  return greedy_next(p.head, h);
 }
 
 // A greedy round that drafts nothing, for a drafter whose head keeps the verified tokens' states (a stateful or
@@ -338,7 +363,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> step_with_states(
   layers_range(p, h, 0, k, c, s, keys, values, starts);
   const torch::Tensor exit = h.clone();
   layers_range(p, h, k, L, c, s, keys, values, starts);
-  const int64_t next = greedy_head(p.head, h.view({1, p.hidden})).item<int64_t>();
+  const int64_t next = greedy_next(p.head, h);
   return {exit, h, next};
 }
 
@@ -387,7 +412,7 @@ std::tuple<std::vector<torch::Tensor>, bool, int64_t, double> draft_or_step(
     return {{exit, fz[0], torch::Tensor()}, true, draft, conf};
   }
   layers_range(p, h, k, L, c, s, keys, values, starts);
-  const int64_t next = greedy_head(p.head, h.view({1, p.hidden})).item<int64_t>();
+  const int64_t next = greedy_next(p.head, h);
   return {{exit, fz[0], h}, false, next, conf};
 }
 
@@ -433,12 +458,22 @@ void bind_step(pybind11::module_& m) {
                        std::vector<std::shared_ptr<LayerPlan>> layers, torch::Tensor norm_out, double eps_out,
                        Linear lm) {
              TORCH_CHECK(!layers.empty(), "a head plan needs its decoder layers");
+             const int64_t hidden = norm_h.numel();
+             TORCH_CHECK(norm_f.numel() == hidden && norm_out.numel() == hidden && fuse.in_features() == 2 * hidden &&
+                             fuse.out_features == hidden && lm.in_features() == hidden,
+                         "a head plan's norms and linears must chain (hidden ", hidden, ")");
+             for (const torch::Tensor* t : {&norm_h, &norm_f, &norm_out})
+               TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat, "norm weights: float32 contiguous");
              return HeadPlan{norm_h, norm_f, norm_out, eps_h, eps_f, eps_out, fuse, lm, std::move(layers)};
            }),
            py::arg("norm_h"), py::arg("eps_h"), py::arg("norm_f"), py::arg("eps_f"), py::arg("fuse"),
            py::arg("layers"), py::arg("norm_out"), py::arg("eps_out"), py::arg("lm"));
   py::class_<GreedyHead>(m, "GreedyHead")
-      .def(py::init([](torch::Tensor norm, double eps, Linear lm) { return GreedyHead{norm, eps, lm}; }),
+      .def(py::init([](torch::Tensor norm, double eps, Linear lm) {
+             TORCH_CHECK(norm.numel() == lm.in_features() && norm.is_contiguous() && norm.scalar_type() == torch::kFloat,
+                         "the final norm: the LM head's input width, float32 contiguous");
+             return GreedyHead{norm, eps, lm};
+           }),
            py::arg("norm"), py::arg("eps"), py::arg("lm"));
   py::class_<PlainStep>(m, "PlainStep")
       .def(py::init([](std::vector<std::shared_ptr<LayerPlan>> layers, std::vector<int64_t> kinds, int64_t kinds_n,
