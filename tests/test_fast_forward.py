@@ -80,6 +80,22 @@ def test_step_plan_is_the_fused_python_path_bit_for_bit(arch, weights, monkeypat
     assert bool(calls) == (arch != "gemma3_text")
 
 
+def test_a_layer_plan_whose_linears_do_not_chain_is_a_clear_error():
+    """The compiled layer runs its kernels on raw pointers (``selfspec/kernels/step.cpp``), so its plan checks once,
+    when made, that its linears and norms fit one another (a mismatch would otherwise read past a buffer): the
+    layer's own plan is made, and the same plan with two linears swapped is an error naming the problem."""
+    split = SplitModel(tiny_model("llama"), "fast")
+    layer = split.fast_layers[0]
+    assert layer.plan is not None
+    ops, empty = layer.ops, torch.empty(0)
+    qkv, o, gate_up, down = (lin.kernel_plan(ops) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    rest = (layer.input_norm.weight, layer.input_norm.eps, layer.post_attn_norm.weight, layer.post_attn_norm.eps,
+            empty, 0.0, empty, 0.0, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.window, layer.scaling)
+    assert ops.LayerPlan(qkv, o, gate_up, down, *rest) is not None
+    with pytest.raises(RuntimeError, match="must chain"):
+        ops.LayerPlan(qkv, down, gate_up, o, *rest)
+
+
 def test_unknown_backend_is_a_clear_error():
     from selfspec.errors import InvalidConfigError
 
