@@ -73,8 +73,9 @@ struct Linear {
   }
 };
 
-// This thread's scratch memory for a layer's intermediate rows (a step's few rows: tens of KB), 64-byte aligned,
-// kept between calls so that a step allocates nothing per layer.
+// This thread's scratch memory, 64-byte aligned, kept between calls so that a step allocates nothing per layer: a
+// layer's intermediate rows (tens of KB for a step's few rows) or the LM head's logits (up to 16 rows of the
+// vocabulary: ~10 MB on Qwen2.5). Growing it frees the old buffer, so a caller holds no pointer across two calls.
 float* scratch(size_t floats) {
   struct Buffer {
     float* p = nullptr;
