@@ -516,13 +516,18 @@ void check_packed(const torch::Tensor& codes, const torch::Tensor& scales, const
               "offsets: empty or shaped (and typed) like scales");
 }
 
+// The zero point a packed weight's codes are read with.
+void check_zero(int64_t bits, double z) {
+  // bytes are read as q - 128 (tile_lookup flips the top bit; the int8 mode's AVX2 path subtracts 128)
+  TORCH_CHECK(bits != 8 || z == 128.0, "8-bit codes must have zero point 128 (Q8_0, Q6_K), got ", z);
+}
+
 // The arguments of qlinear / qlinear_i8, checked.
 // x [M, K] against a checked packed weight, and the zero point its codes are read with.
 void check_x(const torch::Tensor& x, const torch::Tensor& codes, int64_t bits, int64_t group, double z) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
   TORCH_CHECK(x.size(1) == codes.size(1) * group, "x has ", x.size(1), " columns, the weight ", codes.size(1) * group);
-  // bytes are read as q - 128 (tile_lookup flips the top bit; the int8 mode's AVX2 path subtracts 128)
-  TORCH_CHECK(bits != 8 || z == 128.0, "8-bit codes must have zero point 128 (Q8_0, Q6_K), got ", z);
+  check_zero(bits, z);
 }
 
 void check_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
@@ -564,12 +569,17 @@ LinearArgs linear_args(const torch::Tensor& x, const torch::Tensor& codes, const
           bias.numel() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), (float)z, off};
 }
 
+// The checked call's weight as the raw kernels take it.
+raw::QWeight weight_of(const LinearArgs& a, int64_t bits, int64_t group) {
+  return {a.codes, a.scales.p, a.offsets.p, a.scales.half, a.NB, a.G, group, bits, a.z};
+}
+
 }  // namespace
 
 raw::QWeight raw::qweight(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
                           int64_t bits, int64_t group, double z) {
   check_packed(codes, scales, offsets, bits, group);
-  TORCH_CHECK(bits != 8 || z == 128.0, "8-bit codes must have zero point 128 (Q8_0, Q6_K), got ", z);
+  check_zero(bits, z);
   const Sc s = sc_of(scales), o = sc_of(offsets);
   return {codes.data_ptr<uint8_t>(), s.p, o.p, s.half, codes.size(0), codes.size(1), group, bits, (float)z};
 }
@@ -589,10 +599,7 @@ void raw::qlinear(const float* x, int64_t M, const QWeight& w, const float* bias
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
                       int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
   const LinearArgs a = linear_args(x, codes, scales, offsets, bits, group, z, bias, out);
-  dispatch(bits, a.off, [&](auto B, auto O) {
-    run<decltype(B)::value, decltype(O)::value>(x.data_ptr<float>(), a.M, a.K, a.codes, a.scales, a.offsets, a.NB,
-                                                a.G, group, a.z, a.bias, a.y, a.ldy, a.N, accumulate);
-  });
+  raw::qlinear(x.data_ptr<float>(), a.M, weight_of(a, bits, group), a.bias, a.y, a.ldy, a.N, accumulate);
   return out;
 }
 
@@ -970,13 +977,7 @@ void raw::qlinear_i8(const float* x, int64_t M, const QWeight& w, const float* b
 torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                          int64_t bits, int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
   const LinearArgs a = linear_args(x, codes, scales, offsets, bits, group, z, bias, out);
-  const int64_t M = a.M, K = a.K, G = a.G;
-  const Rounded r(x.data_ptr<float>(), M, K, group, bits);
-  dispatch(bits, a.off, [&](auto B, auto O) {
-    run_i8<decltype(B)::value, decltype(O)::value>(r.qx.get(), r.pairs.get(), r.dx.data(), r.sx.data(), M, K, a.codes, a.scales,
-                                                   a.offsets, a.NB, G, group, a.z, a.bias, a.y, a.ldy, a.N,
-                                                   accumulate);
-  });
+  raw::qlinear_i8(x.data_ptr<float>(), a.M, weight_of(a, bits, group), a.bias, a.y, a.ldy, a.N, accumulate);
   return out;
 }
 

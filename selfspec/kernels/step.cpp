@@ -42,26 +42,12 @@ struct Linear {
   std::vector<Part> parts;
   int64_t out_features;
 
-  // y [rows, >= b of every part] = or += x [rows, K] @ W^T (+ bias)
-  void apply(const torch::Tensor& x, const torch::Tensor& y, bool accumulate) const {
-    for (const Part& p : parts) {
-      if (p.kind == 2) {
-        linear(x, p.codes, p.bias, y, accumulate);  // the whole output (checked at construction)
-        continue;
-      }
-      torch::Tensor out = p.a == 0 && p.b == y.size(1) ? y : y.narrow(1, p.a, p.b - p.a);
-      if (p.kind == 1)
-        qlinear_i8(x, p.codes, p.scales, p.offsets, p.bits, p.group, p.z, p.bias, out, accumulate);
-      else
-        qlinear(x, p.codes, p.scales, p.offsets, p.bits, p.group, p.z, p.bias, out, accumulate);
-    }
-  }
-
   int64_t in_features() const { return parts[0].K; }
 
-  // The same on raw pointers: y [rows, out_features] (row stride ldy; a float32 part needs ldy == out_features),
-  // x [rows, in_features] contiguous. The same kernels with the same arguments as apply, so bit for bit its results.
-  void apply_raw(const float* x, int64_t rows, float* y, int64_t ldy, bool accumulate) const {
+  // y [rows, out_features] (row stride ldy; a float32 part needs ldy == out_features) = or += x [rows, in_features]
+  // (contiguous) @ W^T (+ bias): the raw cores of the kernels PackedLinear calls from Python, with the same
+  // arguments, so bit for bit its results.
+  void apply(const float* x, int64_t rows, float* y, int64_t ldy, bool accumulate) const {
     for (const Part& p : parts) {
       if (p.kind == 2)
         raw::linear(x, rows, p.K, p.codes.data_ptr<float>(), p.codes.size(0), p.bias_p, y, out_features, accumulate);
@@ -133,7 +119,7 @@ struct LayerPlan {
     float* gu = a + padded(rows * hq * d);
     float* act = gu + padded(rows * 2 * inter);
     raw::rms_norm(hp, input_norm.data_ptr<float>(), x, rows, hidden, input_eps);
-    qkv.apply_raw(x, rows, y, W, false);
+    qkv.apply(x, rows, y, W, false);
     if (q_norm.numel()) {  // Qwen3: per-head norms of q and k before rotary (as FastLayer._qkv), in place
       for (int64_t r = 0; r < rows; ++r) {
         raw::rms_norm(y + r * W, q_norm.data_ptr<float>(), y + r * W, hq, d, q_eps);
@@ -144,11 +130,11 @@ struct LayerPlan {
                   values.data_ptr<float>(), B, n, hq, hkv, d, cap, start, rot);
     raw::attention(q, keys.data_ptr<float>(), values.data_ptr<float>(), a, B, n, hq, d, hkv, cap, start, window,
                    scaling);
-    o.apply_raw(a, rows, hp, hidden, true);
+    o.apply(a, rows, hp, hidden, true);
     raw::rms_norm(hp, post_norm.data_ptr<float>(), x, rows, hidden, post_eps);
-    gate_up.apply_raw(x, rows, gu, 2 * inter, false);
+    gate_up.apply(x, rows, gu, 2 * inter, false);
     raw::silu_mul(gu, act, rows, inter);
-    down.apply_raw(act, rows, hp, hidden, true);
+    down.apply(act, rows, hp, hidden, true);
   }
 };
 
@@ -231,12 +217,12 @@ std::vector<torch::Tensor> head_step(const HeadPlan& p, const torch::Tensor& h, 
     raw::rms_norm(cp + r * hidden, p.norm_f.data_ptr<float>(), x + r * 2 * hidden + hidden, 1, hidden, p.eps_f);
   }
   torch::Tensor f = torch::empty({1, n, hidden}, h.options());
-  p.fuse.apply_raw(x, n, f.data_ptr<float>(), hidden, false);
+  p.fuse.apply(x, n, f.data_ptr<float>(), hidden, false);
   for (size_t i = 0; i < L; ++i) p.layers[i]->forward(f, cos[i], sin[i], keys[i], values[i], starts[i]);
   float* last = scratch(padded(hidden));
   raw::rms_norm(f.data_ptr<float>() + (n - 1) * hidden, p.norm_out.data_ptr<float>(), last, 1, hidden, p.eps_out);
   torch::Tensor logits = torch::empty({1, p.lm.out_features}, h.options());
-  p.lm.apply_raw(last, 1, logits.data_ptr<float>(), p.lm.out_features, false);
+  p.lm.apply(last, 1, logits.data_ptr<float>(), p.lm.out_features, false);
   return {f, logits};
 }
 
@@ -256,7 +242,7 @@ void greedy_ids(const GreedyHead& g, const float* h, int64_t rows, int64_t* ids)
   float* x = scratch(padded(rows * hidden) + rows * V);
   float* logits = x + padded(rows * hidden);
   raw::rms_norm(h, g.norm.data_ptr<float>(), x, rows, hidden, g.eps);
-  g.lm.apply_raw(x, rows, logits, V, false);
+  g.lm.apply(x, rows, logits, V, false);
   raw::argmax_rows(logits, rows, V, ids);
 }
 
