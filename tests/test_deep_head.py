@@ -273,6 +273,24 @@ def test_release_float_keeps_drafting_on_the_packed_copies_and_refuses_training(
         head.features(h, h, torch.zeros(1, 1, dtype=torch.long), head.new_state(4))
 
 
+def test_draft_reads_count_the_packed_copies_a_head_drafts_with():
+    """What a draft reads of the head's own weights (bench-forward's bytes and GFLOP/s of the 'head' range): its Q4_0
+    copies (18 bytes per 32 weights) and norms, the same before and after ``release_float`` drops the float32
+    matrices; a head on a float32 target (nothing quantized) reads its float32 matrices."""
+    ss, head = deep_ss("llama", 2, quantize="Q4_0")
+    with torch.inference_mode():
+        head.prepare()
+    weights = sum(m.in_features * m.out_features for m in head.float_matrices())
+    norms = sum(p.numel() * 4 for p in head.parameters() if p.ndim == 1)
+    assert head.draft_reads() == (weights * 18 // 32 + norms, weights)
+    head.release_float()
+    assert head.draft_reads() == (weights * 18 // 32 + norms, weights)
+    _, plain = deep_ss("llama", 2)
+    with torch.inference_mode():
+        plain.prepare()
+    assert plain.draft_reads() == (weights * 4 + norms, weights)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("quantize", [None, "Q4_0"])
 def test_draft_step_is_bit_for_bit_features_then_the_drafted_logits(arch, quantize):

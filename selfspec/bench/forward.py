@@ -185,7 +185,8 @@ def memory_breakdown(ss: SelfSpec, rss_after_load: float) -> dict[str, Any]:
         "packed_file_resident_mb": file_resident / MIB,
         "dense_copies_mb": dense / MIB,
         "float_params_mb": sum(p.numel() * p.element_size() for p in ss.model.parameters()) / MIB,
-        "head_mb": _param_bytes(ss.head) / MIB, "kv_cache_mb": kv, "kv_kb_per_token": kv_token / 1024,
+        # the head's float parameters and its packed copies (a released head's matrices are those alone)
+        "head_mb": (_param_bytes(ss.head) + sum(pl.nbytes for pl in ss.head.packed_linears())) / MIB, "kv_cache_mb": kv, "kv_kb_per_token": kv_token / 1024,
         "runtime_mb": runtime, "runtime_with_model_code_mb": modeling,
         # a GGUF's lean tree (selfspec.models.lean) runs without transformers' model code
         "model_code_imported": "transformers.modeling_utils" in sys.modules,
@@ -217,13 +218,14 @@ def kernel_figures(ss: SelfSpec, sizes: list[int], reps: int, bandwidth: float) 
 def range_bytes(split: SplitModel, head, exit_layer: int) -> dict[str, int]:
     """Bytes of weights each range reads: its decoder layers, plus the final norm and the whole LM head
     weight for full / deep (tied or not); for the head, its own parameters plus the LM head rows it
-    computes (the trimmed vocabulary if any) and, for the 'lm' head, the target's final norm."""
+    computes (the trimmed vocabulary if any) and, for the 'lm' head, the target's final norm. The head's own
+    weights are what it drafts with (``ExitHead.draft_reads``: its packed copies once ``prepare`` built them)."""
     layers = [_param_bytes(layer) for layer in split.layers]
     lm = _param_bytes(split.lm_head)
     top = _param_bytes(split.norm) + lm
     k, L = exit_layer, split.num_layers
     rows = len(head.vocab_ids) or split.vocab_size
-    head_bytes = _param_bytes(head) + lm * rows // split.vocab_size
+    head_bytes = head.draft_reads()[0] + lm * rows // split.vocab_size
     if head.kind == "lm":
         head_bytes += _param_bytes(split.norm)
     return {"full": sum(layers) + top, "greedy": sum(layers) + top, "shallow": sum(layers[:k]), "deep": sum(layers[k:L]) + top,
@@ -237,7 +239,7 @@ def range_weights(split: SplitModel, head, exit_layer: int) -> dict[str, int]:
     rows = len(head.vocab_ids) or split.vocab_size
     k, L = exit_layer, split.num_layers
     return {"full": sum(layers) + lm, "greedy": sum(layers) + lm, "shallow": sum(layers[:k]), "deep": sum(layers[k:L]) + lm,
-            "head": _matrix_weights(head) + rows * split.hidden_size}
+            "head": head.draft_reads()[1] + rows * split.hidden_size}
 
 
 def default_exit_layer(ss: SelfSpec) -> int:
@@ -285,6 +287,8 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
     L = ss.split.num_layers
     k = cfg.exit_layer if cfg.exit_layer is not None else default_exit_layer(ss)
     head = ss.head if ss.head.exit_layer == k else ss.make_head(DraftConfig(exit_layer=k))
+    with torch.inference_mode():
+        head.prepare()  # its packed copies, so that the bytes counted are what it drafts with
     splits = {b: ss.split if ss.split.backend == b else SplitModel(ss.model, b) for b in cfg.backends}
     nbytes = range_bytes(ss.split, head, k)
     nweights = range_weights(ss.split, head, k)

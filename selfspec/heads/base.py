@@ -213,6 +213,23 @@ class ExitHead(nn.Module):
         """The linear layers whose float32 weights ``release_float`` may drop (each packed before)."""
         return []
 
+    def packed_linears(self) -> list[PackedLinear]:
+        """The packed copies drafting computes with (built so far: ``prepare`` builds them), beside the target's
+        LM rows of the drafted vocabulary: what a draft reads of the head's own matrices (``bench-forward``)."""
+        return [hit[2] for hit in self._packed.values()]
+
+    def draft_reads(self) -> tuple[int, int]:
+        """(bytes, matrix weights) of the head's own weights one draft reads, the drafted LM rows aside: its packed
+        copies (``packed_linears``) in place of the float matrices they were made from, the matrices drafting does
+        not pack, and its other parameters (norms). 2 * n * matrix weights = a draft's FLOPs at n rows."""
+        packed = self.packed_linears()
+        skip = ({id(m.weight) for m in self.float_matrices()} | {id(hit[0]) for hit in self._packed.values()}
+                if packed else set())
+        params = [p for p in self.parameters() if id(p) not in skip]
+        mats = [m.weight for m in self.modules() if isinstance(m, nn.Linear) and id(m.weight) not in skip]
+        return (sum(pl.nbytes for pl in packed) + sum(p.numel() * p.element_size() for p in params),
+                sum(pl.in_features * pl.out_features for pl in packed) + sum(w.numel() for w in mats))
+
     def num_params(self) -> int:
         """The head's parameter count, its dropped matrices (``release_float``, ``unload``) counted as loaded."""
         return (sum(p.numel() for p in self.parameters())

@@ -20,7 +20,7 @@ from torch import nn
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.base import CachedHead, quantized_linear, weights_to_follow
 from selfspec.heads.kangaroo import RMSNorm
-from selfspec.kernels.linear import MAX_GEMV_ROWS
+from selfspec.kernels.linear import MAX_GEMV_ROWS, PackedLinear
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Rotary, Segment
 from selfspec.models.split import SplitModel, TreeAttention, block_mask, causal_mask
@@ -134,6 +134,11 @@ class DecoderLayerHead(CachedHead):
 
     def _drop_built(self) -> None:
         self._fast = None
+
+    def packed_linears(self) -> list[PackedLinear]:
+        """``ExitHead.packed_linears`` and the blocks' FastLayers' (attention and MLP matrices)."""
+        fast = self._fast[1] if self._fast is not None else []
+        return [*super().packed_linears(), *(pl for f in fast for pl in (f.qkv, f.o, f.gate_up, f.down))]
 
     def float_matrices(self) -> list[nn.Linear]:
         """The blocks' linear layers (packed as ``draft_weights`` in their FastLayers)."""

@@ -110,6 +110,13 @@ class PackedLinear:
         else:
             self.path = "torch-F.linear"
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one call reads: each block-quantized part's packed streams, each dense part's float
+        weight (its packed or reordered copy holds the same values, padding aside), and the bias."""
+        total = sum(w.nbytes if isinstance(w, QuantWeight) else w.numel() * w.element_size() for w, _ in self.parts)
+        return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         parts = [(w.dense() if isinstance(w, QuantWeight) else w, b) for w, b in self.parts]
         if len(parts) == 1:
