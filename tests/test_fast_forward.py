@@ -88,7 +88,7 @@ def test_a_layer_plan_whose_linears_do_not_chain_is_a_clear_error():
     layer = split.fast_layers[0]
     assert layer.plan is not None
     ops, empty = layer.ops, torch.empty(0)
-    qkv, o, gate_up, down = (lin.kernel_plan(ops) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    qkv, o, gate_up, down = (lin.kernel_plan(ops) for lin in layer.linears)
     rest = (layer.input_norm.weight, layer.input_norm.eps, layer.post_attn_norm.weight, layer.post_attn_norm.eps,
             empty, 0.0, empty, 0.0, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.window, layer.scaling)
     assert ops.LayerPlan(qkv, o, gate_up, down, *rest) is not None

@@ -138,7 +138,7 @@ class DecoderLayerHead(CachedHead):
     def packed_linears(self) -> list[PackedLinear]:
         """``ExitHead.packed_linears`` and the blocks' FastLayers' (attention and MLP matrices)."""
         fast = self._fast[1] if self._fast is not None else []
-        return [*super().packed_linears(), *(pl for f in fast for pl in (f.qkv, f.o, f.gate_up, f.down))]
+        return [*super().packed_linears(), *(pl for f in fast for pl in f.linears)]
 
     def float_matrices(self) -> list[nn.Linear]:
         """The blocks' linear layers (packed as ``draft_weights`` in their FastLayers)."""

@@ -141,13 +141,18 @@ class FastLayer:
         self.silu = bool(torch.equal(self.act(probe), F.silu(probe)))
         self.plan = self._step_plan()
 
+    @property
+    def linears(self) -> tuple[PackedLinear, PackedLinear, PackedLinear, PackedLinear]:
+        """The layer's four packed matrices, in the order a step runs them (and ``LayerPlan`` takes them)."""
+        return self.qkv, self.o, self.gate_up, self.down
+
     def _step_plan(self) -> Any | None:
         """The layer as one C++ object (``selfspec/kernels/step.cpp``) that runs a causal step of one sequence
         (1-16 rows) with the fused path's ops, bit for bit, and no Python between them; None where a layout
         needs the Python path (Gemma's sandwich norms, a non-SiLU MLP, a linear off selfspec's kernels)."""
         if self.ops is None or self.sandwich or not self.silu or self.qkv.dtype != torch.float32:
             return None
-        linears = [lin.kernel_plan(self.ops) for lin in (self.qkv, self.o, self.gate_up, self.down)]
+        linears = [lin.kernel_plan(self.ops) for lin in self.linears]
         if any(lin is None for lin in linears):
             return None
         empty = torch.empty(0)
