@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <omp.h>
 #include <vector>
 
 #include "kernels.h"
@@ -256,13 +257,18 @@ static void attend(const float* __restrict qp, const float* __restrict kp, const
 // live row, faster there.
 // Measured (AMD Zen 5, 2 threads), one layer of SmolLM2-135M's shape (9 query heads, 3 key/value heads, d 64):
 // context 256, one row 17.0 -> 6.3 us, four rows 17.4 -> 17.9; context 1,024: 61 -> 19 and 62.6 -> 56.4 us. The
-// whole greedy step: 4.2-4.5 -> 3.4-3.6 ms at context 256, 7.3-7.4 -> 4.5-4.9 ms at 1,024. Qwen2.5-0.5B's shape
-// (7 query heads a key/value head): one row 10.2 -> 9.6 us but four 18.6 -> 28.1 (context 256), so DECODE_GROUP.
+// whole greedy step: 4.2-4.5 -> 3.4-3.6 ms at context 256, 7.3-7.4 -> 4.5-4.9 ms at 1,024.
+// Until the thirty-ninth session a work item was one (row, query head), so a key/value head's keys and values were
+// read once per query head of its group: Qwen2.5-0.5B's shape (7 query heads a key/value head) was slower so (four
+// rows 18.6 -> 28.1 us) and kept the rows-in-lanes kernel, whose single step fills 7 of 16 lanes. A work item now
+// takes a key/value head's query heads (and rows) together (attend_rows): Qwen's shape, 24 layers, one row, A/B in
+// one process on an Intel Xeon (model 207), 2 threads: context 256 0.68 -> 0.41 ms, 1,024 2.37 -> 1.22 ms; 2-4 rows
+// 0.78-0.84x; SmolLM2's shape 0.86-1.01x.
 namespace {
 constexpr int64_t DECODE_ROWS = 16;
 // Query heads per key/value head up to which decoding blocks take this kernel (a model's choice, never a block's:
-// a block's rows and single steps must take the same one). The kernel above fills n x group lanes of a vector.
-constexpr int64_t DECODE_GROUP = 4;
+// a block's rows and single steps must take the same one): the bound of attend_rows' per-thread scratch sizes only.
+constexpr int64_t DECODE_GROUP = 64;
 using simd::bcast;
 using simd::fma;
 using simd::loadf;
@@ -340,93 +346,169 @@ inline float hsum(vf v) {  // a fixed order: lanes 0, 1, ... in turn
   return s;
 }
 
-// One query row q [NV VL] against keys / values [cap, NV VL], keys lo .. hi -> out [NV VL].
-// e: scratch of at least hi - lo + 2 VL floats.
+// Query rows r < R of G heads each (row r: q + r qs [G, NV VL], the query heads of one key/value head, at
+// position pos0 + r, seeing keys lo_r .. pos0 + r, lo_r = max(0, pos0 + r - window + 1) with a window, else 0)
+// against keys / values [cap, NV VL] -> row r's out + r qs [G, NV VL]. Each (row, head)'s arithmetic is that of a
+// lone row of one head: the same operations in the same order (key blocks at multiples of VL, the values' pairs at
+// even keys); the rows and heads only share the reads. A block of VL keys stays in L1 while every row and head takes
+// its scores from it; values come CH keys at a time, each (row, head)'s two accumulators parked in ``acc`` between
+// chunks. e: scratch of R G (pos0 + R + 2 VL + 1) floats; acc: 2 R G NV VL; mxs: R G VL.
 template <int NV>
-void attend_row(const float* __restrict q, const float* __restrict K, const float* __restrict V, int64_t lo,
-                int64_t hi, float sc, float* __restrict e, float* __restrict out) {
+void attend_rows(const float* __restrict q, int64_t qs, int64_t R, int64_t G, const float* __restrict K,
+                 const float* __restrict V, int64_t pos0, int64_t window, float sc, float* __restrict e,
+                 float* __restrict acc, float* __restrict mxs, float* __restrict out) {
   constexpr int64_t D = NV * VL;
-  const int64_t j0 = lo - lo % VL;
+  constexpr int64_t CH = 64;  // values a chunk (16 KB at d 64): even, so a pair of keys never spans two chunks
+  const int64_t stride = pos0 + R + 2 * VL + 1;  // e of (row r, head h): e + (r G + h) stride, indexed j - j0_r
+  const auto lo_of = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, pos0 + r - window + 1) : 0; };
   alignas(64) float iota[VL];
   for (int u = 0; u < VL; ++u) iota[u] = static_cast<float>(u);
   const vf lanes = loadf(iota), neg = bcast(-INFINITY), scale = bcast(sc);
-  const float span = static_cast<float>(hi - lo);
-  vf qv[NV];
-  for (int c = 0; c < NV; ++c) qv[c] = loadf(q + c * VL);
-  vf mx = neg;
-  for (int64_t jb = j0; jb <= hi; jb += VL) {  // scores, -inf outside lo .. hi
-    vf part[VL];
-    for (int u = 0; u < VL; ++u) {
-      const int64_t j = jb + u;
-      if (j < lo || j > hi) {
-        part[tree_slot(u)] = vf{};
-        continue;
+  for (int64_t i = 0; i < R * G; ++i) storef(mxs + i * VL, neg);
+  const int64_t jfirst = lo_of(0) - lo_of(0) % VL, hmax_all = pos0 + R - 1;
+  for (int64_t jb = jfirst; jb <= hmax_all; jb += VL) {  // scores, -inf outside lo .. hi
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t lo = lo_of(r), hi = pos0 + r, j0 = lo - lo % VL;
+      if (jb < j0 || jb > hi) continue;
+      const float span = static_cast<float>(hi - lo);
+      for (int64_t h = 0; h < G; ++h) {
+        vf qv[NV];
+        for (int c = 0; c < NV; ++c) qv[c] = loadf(q + r * qs + h * D + c * VL);
+        vf part[VL];
+        for (int u = 0; u < VL; ++u) {
+          const int64_t j = jb + u;
+          if (j < lo || j > hi) {
+            part[tree_slot(u)] = vf{};
+            continue;
+          }
+          const float* k = K + j * D;
+          vf s = qv[0] * loadf(k);
+          for (int c = 1; c < NV; ++c) s = fma(qv[c], loadf(k + c * VL), s);
+          part[tree_slot(u)] = s;
+        }
+        const vf s = in_range(sum_lanes(part) * scale, neg, bcast(static_cast<float>(jb - lo)) + lanes, span);
+        const int64_t x = r * G + h;
+        storef(e + x * stride + (jb - j0), s);
+        storef(mxs + x * VL, vmax(loadf(mxs + x * VL), s));
       }
-      const float* k = K + j * D;
-      vf s = qv[0] * loadf(k);
-      for (int c = 1; c < NV; ++c) s = fma(qv[c], loadf(k + c * VL), s);
-      part[tree_slot(u)] = s;
-    }
-    const vf s = in_range(sum_lanes(part) * scale, neg, bcast(static_cast<float>(jb - lo)) + lanes, span);
-    storef(e + (jb - j0), s);
-    mx = vmax(mx, s);
-  }
-  const float m = hmax(mx);
-  vf tot = vf{};
-  for (int64_t jb = j0; jb <= hi; jb += VL) {  // e^(s - max), 0 for masked keys; x < -87 gives e^-87
-    float* ej = e + (jb - j0);
-    alignas(64) float x[VL];
-    storef(x, vmax(loadf(ej) - bcast(m), bcast(-87.f)));
-    exp_inplace(x, VL);
-    const vf p = in_range(loadf(x), vf{}, bcast(static_cast<float>(jb - lo)) + lanes, span);
-    storef(ej, p);
-    tot = tot + p;
-  }
-  const vf inv = bcast(1.f / hsum(tot));
-  vf a0[NV], a1[NV];  // even and odd keys
-  for (int c = 0; c < NV; ++c) a0[c] = a1[c] = vf{};
-  const float* p = e + (lo - j0);
-  int64_t j = lo;
-  if (j & 1) {
-    const vf w = bcast(p[0]);
-    for (int c = 0; c < NV; ++c) a1[c] = fma(w, loadf(V + j * D + c * VL), a1[c]);
-    ++j;
-  }
-  for (; j + 1 <= hi; j += 2) {
-    const vf w0 = bcast(p[j - lo]), w1 = bcast(p[j + 1 - lo]);
-    const float* v0 = V + j * D;
-    for (int c = 0; c < NV; ++c) {
-      a0[c] = fma(w0, loadf(v0 + c * VL), a0[c]);
-      a1[c] = fma(w1, loadf(v0 + D + c * VL), a1[c]);
     }
   }
-  if (j <= hi) {
-    const vf w = bcast(p[j - lo]);
-    for (int c = 0; c < NV; ++c) a0[c] = fma(w, loadf(V + j * D + c * VL), a0[c]);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t lo = lo_of(r), hi = pos0 + r, j0 = lo - lo % VL;
+    const float span = static_cast<float>(hi - lo);
+    for (int64_t h = 0; h < G; ++h) {  // e^(s - max), 0 for masked keys; x < -87 gives e^-87
+      const int64_t x = r * G + h;
+      const float m = hmax(loadf(mxs + x * VL));
+      vf tot = vf{};
+      for (int64_t jb = j0; jb <= hi; jb += VL) {
+        float* ej = e + x * stride + (jb - j0);
+        alignas(64) float t[VL];
+        storef(t, vmax(loadf(ej) - bcast(m), bcast(-87.f)));
+        exp_inplace(t, VL);
+        const vf p = in_range(loadf(t), vf{}, bcast(static_cast<float>(jb - lo)) + lanes, span);
+        storef(ej, p);
+        tot = tot + p;
+      }
+      mxs[x * VL] = 1.f / hsum(tot);  // the maximum is spent: its slot keeps 1 / the sum
+    }
   }
-  for (int c = 0; c < NV; ++c) storef(out + c * VL, (a0[c] + a1[c]) * inv);
+  // weighted values, even and odd keys in two accumulators (a0: acc + 2 x D, a1: acc + (2 x + 1) D); an odd first key
+  // alone into a1, then pairs (j, j + 1) at even j, then an even last key alone into a0
+  for (int64_t i = 0; i < 2 * R * G * D; i += VL) storef(acc + i, vf{});
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t lo = lo_of(r), j0 = lo - lo % VL;
+    if (!(lo & 1)) continue;
+    for (int64_t h = 0; h < G; ++h) {
+      const int64_t x = r * G + h;
+      const vf w = bcast(e[x * stride + (lo - j0)]);
+      float* a1 = acc + (2 * x + 1) * D;
+      for (int c = 0; c < NV; ++c) storef(a1 + c * VL, fma(w, loadf(V + lo * D + c * VL), loadf(a1 + c * VL)));
+    }
+  }
+  const int64_t cfirst = (lo_of(0) + 1) & ~int64_t{1};
+  for (int64_t c0 = cfirst - cfirst % CH; c0 + 1 <= hmax_all; c0 += CH) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t lo = lo_of(r), hi = pos0 + r, j0 = lo - lo % VL;
+      const int64_t from = std::max(c0, (lo + 1) & ~int64_t{1}), to = std::min(hi, c0 + CH - 1);
+      if (from + 1 > to) continue;
+      for (int64_t h = 0; h < G; ++h) {
+        const int64_t x = r * G + h;
+        const float* p = e + x * stride - j0;
+        vf a0[NV], a1[NV];
+        for (int c = 0; c < NV; ++c) {
+          a0[c] = loadf(acc + 2 * x * D + c * VL);
+          a1[c] = loadf(acc + (2 * x + 1) * D + c * VL);
+        }
+        for (int64_t j = from; j + 1 <= to; j += 2) {
+          const vf w0 = bcast(p[j]), w1 = bcast(p[j + 1]);
+          const float* v0 = V + j * D;
+          for (int c = 0; c < NV; ++c) {
+            a0[c] = fma(w0, loadf(v0 + c * VL), a0[c]);
+            a1[c] = fma(w1, loadf(v0 + D + c * VL), a1[c]);
+          }
+        }
+        for (int c = 0; c < NV; ++c) {
+          storef(acc + 2 * x * D + c * VL, a0[c]);
+          storef(acc + (2 * x + 1) * D + c * VL, a1[c]);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t lo = lo_of(r), hi = pos0 + r, j0 = lo - lo % VL;
+    const int64_t first = (lo + 1) & ~int64_t{1};  // the first pair's key
+    const int64_t last = first + ((hi - first + 1) & ~int64_t{1});  // the key after the last pair
+    for (int64_t h = 0; h < G; ++h) {
+      const int64_t x = r * G + h;
+      float* a0 = acc + 2 * x * D;
+      const float* a1 = acc + (2 * x + 1) * D;
+      if (last <= hi) {
+        const vf w = bcast(e[x * stride + (last - j0)]);
+        for (int c = 0; c < NV; ++c) storef(a0 + c * VL, fma(w, loadf(V + last * D + c * VL), loadf(a0 + c * VL)));
+      }
+      const vf inv = bcast(mxs[x * VL]);
+      for (int c = 0; c < NV; ++c)
+        storef(out + r * qs + h * D + c * VL, (loadf(a0 + c * VL) + loadf(a1 + c * VL)) * inv);
+    }
+  }
 }
 
-// attend for n <= DECODE_ROWS and a head dimension of NV * VL: work items are query rows (b, kv head, row).
+// attend for n <= DECODE_ROWS and a head dimension of NV * VL. Work items are (b, key/value head, a part of the
+// rows, a part of the query heads): every row and head of an item reads the item's keys and values once. The rows
+// stay together when the (b, key/value head) pairs already spread evenly over the threads, else they are split into
+// the fewest parts that do (else one row an item); with fewer items than threads (one row, one key/value head) the
+// heads are split. A row's and head's arithmetic does not depend on its item (attend_rows).
 template <int NV>
 void attend_decode(const float* __restrict qp, const float* __restrict kp, const float* __restrict vp,
                    float* __restrict op, int64_t B, int64_t n, int64_t hq, int64_t hkv, int64_t cap, int64_t start,
                    int64_t window, float sc) {
   constexpr int64_t d = NV * VL;
-  const int64_t group = hq / hkv, rows = group * n, len = start + n;
+  const int64_t group = hq / hkv, len = start + n, base = B * hkv;
+  const int64_t threads = omp_get_max_threads();
+  int64_t rparts = n;
+  for (int64_t p = 1; p <= n; ++p)
+    if (base * p % threads == 0) {
+      rparts = p;
+      break;
+    }
+  const int64_t rper = (n + rparts - 1) / rparts, items = base * rparts;
+  const int64_t hparts = items >= threads ? 1 : std::min<int64_t>(group, (threads + items - 1) / items);
+  const int64_t hper = (group + hparts - 1) / hparts;
 #pragma omp parallel
   {
-    std::vector<float> e(len + 2 * VL);
-#pragma omp for collapse(3) schedule(static)
+    const int64_t slots = rper * hper;
+    std::vector<float> e(slots * (len + 2 * VL + 1)), acc(2 * slots * d), mxs(slots * VL);
+#pragma omp for collapse(4) schedule(static)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < hkv; ++g)
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = r / group, h = g * group + r % group, pos = start + i;
-          const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-          const int64_t at = (b * n + i) * hq + h;
-          attend_row<NV>(qp + at * d, kp + (b * hkv + g) * cap * d, vp + (b * hkv + g) * cap * d, lo, pos, sc,
-                         e.data(), op + at * d);
-        }
+        for (int64_t rp = 0; rp < rparts; ++rp)
+          for (int64_t hp = 0; hp < hparts; ++hp) {
+            const int64_t r0 = rp * rper, R = std::min(rper, n - r0), h0 = hp * hper, G = std::min(hper, group - h0);
+            if (R <= 0 || G <= 0) continue;
+            const int64_t at = (b * n + r0) * hq + g * group + h0;
+            attend_rows<NV>(qp + at * d, hq * d, R, G, kp + (b * hkv + g) * cap * d, vp + (b * hkv + g) * cap * d,
+                            start + r0, window, sc, e.data(), acc.data(), mxs.data(), op + at * d);
+          }
   }
 }
 
