@@ -190,8 +190,9 @@ def test_fused_attention_matches_softmax_and_rows_do_not_interact(b, n, hq, hkv,
     """ops.attention (a decoding block of up to 4 query heads per KV head: one row at a time, its keys in vector
     lanes; else the query rows of a KV head in the lanes; its own exp): equal to softmax attention in float64 up to
     float rounding, and each row of a decoding block (up to 16 rows) bitwise the row of a single-query call at that
-    position (what lets a verification block stand for single steps in the int8 mode). A prefill's rows may take
-    the other kernel than single steps: equal to them up to rounding."""
+    position (what lets a verification block stand for single steps in the int8 mode), whatever the thread count
+    (the work is split by rows and heads to fit the threads). A prefill's rows may take the other kernel than single
+    steps: equal to them up to rounding."""
     from selfspec.kernels.build import cpu_extension
 
     ops = cpu_extension()
@@ -200,6 +201,14 @@ def test_fused_attention_matches_softmax_and_rows_do_not_interact(b, n, hq, hkv,
     q, keys, values = (torch.randn(*s, generator=g) for s in ((b, n, hq, d), (b, hkv, cap, d), (b, hkv, cap, d)))
     scale = d ** -0.5
     out = ops.attention(q, keys, values, start, window, scale)
+    if n <= 16:  # a decoding block's work is split by rows and heads to fit the threads: no bit depends on it
+        threads = torch.get_num_threads()
+        try:
+            for t in (1, 2, 3):
+                torch.set_num_threads(t)
+                assert torch.equal(ops.attention(q, keys, values, start, window, scale), out), t
+        finally:
+            torch.set_num_threads(threads)
     group = hq // hkv
     for i in range(n):
         pos = start + i
