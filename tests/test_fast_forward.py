@@ -187,12 +187,12 @@ def test_ragged_batch_forward_equals_each_sequence_alone(arch):
     (1, 3, 9, 3, 64, 700, 0), (1, 2, 4, 2, 128, 333, 100), (1, 1, 4, 1, 64, 17, 0),
     (1, 70, 14, 2, 64, 0, 0), (1, 41, 9, 3, 64, 0, 16)])  # the last two: prefills (from position 0; a window)
 def test_fused_attention_matches_softmax_and_rows_do_not_interact(b, n, hq, hkv, d, start, window):
-    """ops.attention (a decoding block of up to 4 query heads per KV head: one row at a time, its keys in vector
-    lanes; else the query rows of a KV head in the lanes; its own exp): equal to softmax attention in float64 up to
-    float rounding, and each row of a decoding block (up to 16 rows) bitwise the row of a single-query call at that
-    position (what lets a verification block stand for single steps in the int8 mode), whatever the thread count
-    (the work is split by rows and heads to fit the threads). A prefill's rows may take the other kernel than single
-    steps: equal to them up to rounding."""
+    """ops.attention (a decoding block of up to 16 rows: each row and query head with its keys in vector lanes, a
+    KV head's query heads and rows sharing its reads; a prefill: the query rows of a KV head in the lanes; its own
+    exp): equal to softmax attention in float64 up to float rounding, and each row of a decoding block bitwise the
+    row of a single-query call at that position (what lets a verification block stand for single steps in the int8
+    mode), whatever the thread count (the work is split by rows and heads to fit the threads). A prefill's rows may
+    take the other kernel than single steps: equal to them up to rounding."""
     from selfspec.kernels.build import cpu_extension
 
     ops = cpu_extension()

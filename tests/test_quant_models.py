@@ -101,6 +101,26 @@ def test_every_architecture_quantized_is_lossless(arch, one_thread, gemm_prefill
     check_lossless(quantize_model(tiny_model(arch), "Q4_0" if arch != "phi3" else "Q8_0"))
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(14, 2), (4, 1)])
+def test_grouped_query_shapes_quantized_are_lossless(heads, kv_heads):
+    """Qwen2.5-0.5B's 7 query heads a key/value head, and a single key/value head, on 2 threads: a decoding block's
+    attention takes a KV head's query heads together, split by rows and heads to fit the threads (ops.cpp
+    attend_decode); greedy output stays transformers'."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = tiny_config("qwen2").to_dict()
+    cfg.update(hidden_size=32 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32)
+    torch.manual_seed(1234)
+    m = AutoModelForCausalLM.from_config(Qwen2Config(**cfg), attn_implementation="sdpa", dtype=torch.float32)
+    m.generation_config.eos_token_id, m.generation_config.pad_token_id = None, 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_lossless(quantize_model(m.eval().requires_grad_(False), "Q8_0"), trees=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_quantize_at_load_is_cached_and_refuses_a_gguf(tmp_path, monkeypatch, one_thread):
     from conftest import tiny_tokenizer
 
