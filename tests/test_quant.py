@@ -154,7 +154,7 @@ def test_unsupported_type_names_the_supported_ones():
 def test_avx2_variant_matches_too(tmp_path):
     """The AVX2 build of the kernels (what a CPU without AVX-512 runs) passes the same checks. On an AVX2-only
     machine the suite's own build already is that variant (every check here ran on it), so rebuilding it under
-    another name (~90 s) would test nothing new."""
+    another name (~40 s) would test nothing new."""
     import os
     import subprocess
     import sys

@@ -15,7 +15,6 @@
 // the MC (<= 12) rows of x, and accumulate MC vectors of R outputs: MC fused multiply-adds per weight
 // load, accumulators in registers, no horizontal sums. With one x-row the k loop is split into U = 4
 // interleaved partial sums so the additions do not wait on each other.
-#include <torch/extension.h>
 #include <cstring>
 
 #include "kernels.h"
@@ -85,9 +84,9 @@ void raw::linear(const float* xp, int64_t M, int64_t K, const float* pp, int64_t
 
 // x [M, K] float32 contiguous; packed [N_pad / R, K, R]; bias [N] or empty; out [M, N]
 // (written, or added to when accumulate). Returns out.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out,
+at::Tensor linear(at::Tensor x, at::Tensor packed, at::Tensor bias, at::Tensor out,
                      bool accumulate) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: [M, K] float32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == R && packed.is_contiguous(), "packed weight: [N/8, K, 8]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NB = packed.size(0);
   TORCH_CHECK(packed.size(1) == K && K % 4 == 0, "x has ", K, " columns, the weight ", packed.size(1));

@@ -1,7 +1,19 @@
 // The functions selfspec's CPU kernel files call across files (one extension: gemv.cpp, quant.cpp, ops.cpp,
 // step.cpp; ops.cpp binds them all to Python).
 #pragma once
-#include <torch/extension.h>
+// Only the ATen headers the kernels use (the tensor, its factories, parallel_for): torch/extension.h costs ~30 s
+// of compiling per file that includes it, these ~3 s; the two files that bind to Python add pybind's (~7 s).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/softmax.h>
+
+namespace pybind11 {
+class module_;
+}
 
 // f(i) for i in [0, n): split over the threads (static schedule) when ``parallel``, else on the calling thread without
 // entering an OpenMP region: a region that an if clause keeps on one thread still costs ~0.4 us (libgomp's team start
@@ -17,35 +29,35 @@ inline void for_range(int64_t n, bool parallel, const F& f) {
 }
 
 // gemv.cpp
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out, bool accumulate);
+at::Tensor linear(at::Tensor x, at::Tensor packed, at::Tensor bias, at::Tensor out, bool accumulate);
 
 // quant.cpp
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
-                      int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate);
-torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                         int64_t bits, int64_t group, double z, torch::Tensor bias, torch::Tensor out,
+at::Tensor qlinear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
+                      int64_t group, double z, at::Tensor bias, at::Tensor out, bool accumulate);
+at::Tensor qlinear_i8(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
+                         int64_t bits, int64_t group, double z, at::Tensor bias, at::Tensor out,
                          bool accumulate);
 bool qlinear_i8_vnni();
-int64_t qargmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
-                int64_t group, double z, int64_t n, torch::Tensor ebound, torch::Tensor out);
+int64_t qargmax(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
+                int64_t group, double z, int64_t n, at::Tensor ebound, at::Tensor out);
 bool qcodes5_words();
-torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
-                    int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate);
-torch::Tensor qdense_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
-                       double z, int64_t b0, int64_t b1, torch::Tensor out);
-torch::Tensor qgroup_l1(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
-                        double z, torch::Tensor out);
-torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
-                       double z, torch::Tensor ids, torch::Tensor out);
+at::Tensor qgemm(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
+                    int64_t group, double z, at::Tensor bias, at::Tensor out, bool accumulate);
+at::Tensor qdense_t(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits, int64_t group,
+                       double z, int64_t b0, int64_t b1, at::Tensor out);
+at::Tensor qgroup_l1(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits, int64_t group,
+                        double z, at::Tensor out);
+at::Tensor qdequant(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits, int64_t group,
+                       double z, at::Tensor ids, at::Tensor out);
 
 // ops.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
-                       torch::Tensor values, int64_t start, int64_t hq, int64_t hkv);
-torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start, int64_t window,
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
+at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
+                       at::Tensor values, int64_t start, int64_t hq, int64_t hkv);
+at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t start, int64_t window,
                         double scale);
-torch::Tensor silu_mul(torch::Tensor gu);
-torch::Tensor argmax_rows(torch::Tensor x);
+at::Tensor silu_mul(at::Tensor gu);
+at::Tensor argmax_rows(at::Tensor x);
 
 // The same kernels on raw pointers, for step.cpp's compiled layers: no tensor is made or checked per call (the
 // tensor functions above check their arguments, then call these). A step's ~10 kernel calls a layer through the
@@ -61,7 +73,7 @@ struct QWeight {
   int64_t NB, G, group, bits;
   float z;
 };
-QWeight qweight(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets, int64_t bits,
+QWeight qweight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
                 int64_t group, double z);
 // y [M, N] (row stride ldy) = or += x [M, K = G * group] @ W^T (+ bias [N] or nullptr); N within W's blocks.
 void qlinear(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t ldy, int64_t N,

@@ -8,7 +8,7 @@
 //   q      # [B, n, hq, d]                queries after rotary
 //   keys   # [B, hkv, capacity, d]        the static cache of one layer (values alike)
 //   cos    # [B, n, rot]                  rotary tables (rot <= d: partial rotary leaves the rest)
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // binds to Python (PYBIND11_MODULE / bind_step)
 
 #include <algorithm>
 #include <cmath>
@@ -24,8 +24,8 @@ namespace {
 // of rows (a decoding step's few rows stay on one thread: a parallel region costs more than their work).
 constexpr int64_t PARALLEL_ROWS = 32;
 
-void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous(), name, " must be contiguous float32");
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name, " must be contiguous float32");
 }
 }  // namespace
 
@@ -43,12 +43,12 @@ void raw::rms_norm(const float* xp, const float* wp, float* yp, int64_t M, int64
   });
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   check_f32(x, "x");
   check_f32(w, "w");
   const int64_t H = x.size(-1), M = x.numel() / H;
   TORCH_CHECK(w.numel() == H, "w: ", H, " weights, got ", w.numel());
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   raw::rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, H, eps);
   return y;
 }
@@ -80,8 +80,8 @@ void raw::rope_qkv(const float* src, const float* cp, const float* sp, float* qp
   });
 }
 
-torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
-                       torch::Tensor values, int64_t start, int64_t hq, int64_t hkv) {
+at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
+                       at::Tensor values, int64_t start, int64_t hq, int64_t hkv) {
   check_f32(qkv, "qkv");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
@@ -91,7 +91,7 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   const int64_t rot = cos.size(-1), heads = hq + 2 * hkv;
   TORCH_CHECK(qkv.size(2) == heads * d, "qkv width");
   TORCH_CHECK(start + n <= cap, "cache too small");
-  auto q = torch::empty({B, n, hq, d}, qkv.options());
+  auto q = at::empty({B, n, hq, d}, qkv.options());
   raw::rope_qkv(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(),
                 keys.data_ptr<float>(), values.data_ptr<float>(), B, n, hq, hkv, d, cap, start, rot);
   return q;
@@ -539,7 +539,7 @@ void raw::attention(const float* qp, const float* kp, const float* vp, float* op
     attend(qp, kp, vp, op, B, n, hq, d, hkv, cap, start, window, static_cast<float>(scale));
 }
 
-torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
+at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t start,
                         int64_t window, double scale) {
   check_f32(q, "q");
   check_f32(keys, "keys");
@@ -547,7 +547,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   const int64_t B = q.size(0), n = q.size(1), hq = q.size(2), d = q.size(3);
   const int64_t hkv = keys.size(1), cap = keys.size(2);
   TORCH_CHECK(start + n <= cap, "cache too small");
-  auto out = torch::empty({B, n, hq * d}, q.options());
+  auto out = at::empty({B, n, hq * d}, q.options());
   raw::attention(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), out.data_ptr<float>(), B, n,
                  hq, d, hkv, cap, start, window, scale);
   return out;
@@ -571,12 +571,12 @@ void raw::silu_mul(const float* g, float* yp, int64_t M, int64_t I) {
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor gu) {
+at::Tensor silu_mul(at::Tensor gu) {
   check_f32(gu, "gate_up");
   const int64_t I = gu.size(-1) / 2, M = gu.numel() / (2 * I);
   auto sizes = gu.sizes().vec();
   sizes.back() = I;
-  auto y = torch::empty(sizes, gu.options());
+  auto y = at::empty(sizes, gu.options());
   raw::silu_mul(gu.data_ptr<float>(), y.data_ptr<float>(), M, I);
   return y;
 }
@@ -613,11 +613,11 @@ void raw::argmax_rows(const float* xp, int64_t M, int64_t N, int64_t* op) {
   });
 }
 
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "x: [..., N] with N > 0");
   const int64_t N = x.size(-1), M = x.numel() / N;
-  auto out = torch::empty({M}, x.options().dtype(torch::kLong));
+  auto out = at::empty({M}, x.options().dtype(at::kLong));
   raw::argmax_rows(x.data_ptr<float>(), M, N, out.data_ptr<int64_t>());
   return out;
 }

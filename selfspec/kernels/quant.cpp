@@ -33,7 +33,6 @@
 //
 // Each column's 16 weights are one vector, so a tile of MC x-rows keeps MC accumulators of 16 outputs,
 // one broadcast multiply-add per x-row and column, and no horizontal sums (as gemv.cpp).
-#include <torch/extension.h>
 
 #include <immintrin.h>
 
@@ -499,17 +498,17 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Sc sc, Sc o
   }
 }
 
-void check_packed(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets, int64_t bits,
+void check_packed(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
                   int64_t group) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "code width must be 4, 5 or 8 bits, got ", bits);
   TORCH_CHECK(group % 2 == 0 && group > 0, "group size must be even, got ", group);
   TORCH_CHECK(bits != 5 || group == 32, "5-bit codes come in groups of 32, got ", group);
-  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == torch::kByte, "codes: [N/16, G, CB] uint8");
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes: [N/16, G, CB] uint8");
   TORCH_CHECK(codes.size(2) == group_bytes(bits, group), "codes: ", codes.size(2), " bytes per group, expected ",
               group_bytes(bits, group));
   TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.size(0) == codes.size(0) &&
                   scales.size(1) == codes.size(1) && scales.size(2) == L &&
-                  (scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf),
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
               "scales: [N/16, G, 16] float32 or float16");
   TORCH_CHECK(offsets.numel() == 0 || (offsets.sizes() == scales.sizes() && offsets.is_contiguous() &&
                                        offsets.scalar_type() == scales.scalar_type()),
@@ -524,27 +523,27 @@ void check_zero(int64_t bits, double z) {
 
 // The arguments of qlinear / qlinear_i8, checked.
 // x [M, K] against a checked packed weight, and the zero point its codes are read with.
-void check_x(const torch::Tensor& x, const torch::Tensor& codes, int64_t bits, int64_t group, double z) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: [M, K] float32");
+void check_x(const at::Tensor& x, const at::Tensor& codes, int64_t bits, int64_t group, double z) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: [M, K] float32");
   TORCH_CHECK(x.size(1) == codes.size(1) * group, "x has ", x.size(1), " columns, the weight ", codes.size(1) * group);
   check_zero(bits, z);
 }
 
-void check_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                  const torch::Tensor& offsets, int64_t bits, int64_t group, double z, const torch::Tensor& bias,
-                  const torch::Tensor& out) {
+void check_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                  const at::Tensor& offsets, int64_t bits, int64_t group, double z, const at::Tensor& bias,
+                  const at::Tensor& out) {
   check_packed(codes, scales, offsets, bits, group);
   check_x(x, codes, bits, group, z);
   const int64_t NB = codes.size(0), N = out.size(1);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 && out.scalar_type() == torch::kFloat &&
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 && out.scalar_type() == at::kFloat &&
                   N <= NB * L && N > (NB - 1) * L,
               "out: [M, N] float32 with unit column stride");
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias: [N] or empty");
 }
 
 // A checked scales or offsets tensor as the kernels read it (an empty tensor: none).
-Sc sc_of(const torch::Tensor& t) {
-  return {t.numel() ? t.data_ptr() : nullptr, t.scalar_type() == torch::kHalf};
+Sc sc_of(const at::Tensor& t) {
+  return {t.numel() ? t.data_ptr() : nullptr, t.scalar_type() == at::kHalf};
 }
 
 // The raw pointers and sizes of a checked qlinear / qlinear_i8 call (the packed weight, bias, output).
@@ -559,9 +558,9 @@ struct LinearArgs {
   bool off;
 };
 
-LinearArgs linear_args(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                       const torch::Tensor& offsets, int64_t bits, int64_t group, double z, const torch::Tensor& bias,
-                       torch::Tensor& out) {
+LinearArgs linear_args(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& offsets, int64_t bits, int64_t group, double z, const at::Tensor& bias,
+                       at::Tensor& out) {
   check_linear(x, codes, scales, offsets, bits, group, z, bias, out);
   const bool off = offsets.numel() > 0;
   return {x.size(0), x.size(1), codes.size(0), codes.size(1), out.size(1), out.stride(0),
@@ -576,7 +575,7 @@ raw::QWeight weight_of(const LinearArgs& a, int64_t bits, int64_t group) {
 
 }  // namespace
 
-raw::QWeight raw::qweight(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
+raw::QWeight raw::qweight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
                           int64_t bits, int64_t group, double z) {
   check_packed(codes, scales, offsets, bits, group);
   check_zero(bits, z);
@@ -596,8 +595,8 @@ void raw::qlinear(const float* x, int64_t M, const QWeight& w, const float* bias
 // x [M, K] float32 contiguous; the packed weight (codes, scales, offsets, bits, group, zero point z);
 // bias [N] or empty; out [M, >= N] with unit column stride (a column slice of a wider output is fine),
 // written or added to. Returns out.
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
-                      int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
+at::Tensor qlinear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
+                      int64_t group, double z, at::Tensor bias, at::Tensor out, bool accumulate) {
   const LinearArgs a = linear_args(x, codes, scales, offsets, bits, group, z, bias, out);
   raw::qlinear(x.data_ptr<float>(), a.M, weight_of(a, bits, group), a.bias, a.y, a.ldy, a.N, accumulate);
   return out;
@@ -974,8 +973,8 @@ void raw::qlinear_i8(const float* x, int64_t M, const QWeight& w, const float* b
 }
 
 // As qlinear, with x rounded to 8 bits per group of the weight's group size (the int8 numerics mode).
-torch::Tensor qlinear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                         int64_t bits, int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
+at::Tensor qlinear_i8(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
+                         int64_t bits, int64_t group, double z, at::Tensor bias, at::Tensor out, bool accumulate) {
   const LinearArgs a = linear_args(x, codes, scales, offsets, bits, group, z, bias, out);
   raw::qlinear_i8(x.data_ptr<float>(), a.M, weight_of(a, bits, group), a.bias, a.y, a.ldy, a.N, accumulate);
   return out;
@@ -998,8 +997,8 @@ bool qlinear_i8_vnni() { return VNNI; }
 // computed exactly, block 2 (4.0 < 8) is not.
 // out [M] int64: each row's argmax, or -1 for every row when an activation is not finite (the caller computes the
 // logits instead). Returns the number of candidate blocks.
-int64_t qargmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
-                int64_t group, double z, int64_t n, torch::Tensor ebound, torch::Tensor out) {
+int64_t qargmax(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
+                int64_t group, double z, int64_t n, at::Tensor ebound, at::Tensor out) {
   check_packed(codes, scales, offsets, bits, group);
   check_x(x, codes, bits, group, z);
   TORCH_CHECK(n <= codes.size(0) * L && n > (codes.size(0) - 1) * L, "n: ", n, " output rows for ", codes.size(0), " blocks");
@@ -1012,9 +1011,9 @@ int64_t qargmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torc
   const int64_t M = x.size(0), K = x.size(1), G = codes.size(1), NB = codes.size(0), N = n;
   TORCH_CHECK(M >= 1 && M <= 16, "qargmax takes 1-16 rows of x, got ", M);
   TORCH_CHECK(ebound.dim() == 2 && ebound.size(0) == NB && ebound.size(1) == G && ebound.is_contiguous() &&
-                  ebound.scalar_type() == torch::kFloat,
+                  ebound.scalar_type() == at::kFloat,
               "ebound: [N/16, G] float32");
-  TORCH_CHECK(out.dim() == 1 && out.size(0) == M && out.scalar_type() == torch::kLong, "out: [M] int64");
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == M && out.scalar_type() == at::kLong, "out: [M] int64");
   int64_t* ids = out.data_ptr<int64_t>();
   const float* xp = x.data_ptr<float>();
   const Rounded r(xp, M, K, group, bits);
@@ -1110,13 +1109,13 @@ bool qcodes5_words() { return WORDS5; }
 
 // Rows ``ids`` of the packed weight as float32: out [len(ids), K] (an embedding lookup, a slice of the
 // LM head, the reference backend's on-demand weights). The same formula as the kernel.
-torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
-                       double z, torch::Tensor ids, torch::Tensor out) {
+at::Tensor qdequant(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits, int64_t group,
+                       double z, at::Tensor ids, at::Tensor out) {
   check_packed(codes, scales, offsets, bits, group);
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.is_contiguous(), "ids: [R] int64");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids: [R] int64");
   const int64_t R = ids.size(0), NB = codes.size(0), G = codes.size(1), K = G * group;
   TORCH_CHECK(out.dim() == 2 && out.size(0) == R && out.size(1) == K && out.is_contiguous() &&
-                  out.scalar_type() == torch::kFloat,
+                  out.scalar_type() == at::kFloat,
               "out: [R, K] float32");
   const int64_t CB = group_bytes(bits, group);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -1186,13 +1185,13 @@ void dense_t(const uint8_t* codes, Sc sc, Sc of, int64_t G, int64_t g, float z, 
 // Blocks [b0, b1) of the packed weight (output rows 16 b0 .. 16 b1 - 1) dequantized and transposed: out [K, 16 (b1 - b0)]
 // float32, column n holding output row 16 b0 + n. The kernel's own weights (the same formula, so gguf-py's values bit
 // for bit, as qdequant), for x @ out as one GEMM when many rows of x share them (a prefill).
-torch::Tensor qdense_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
-                       double z, int64_t b0, int64_t b1, torch::Tensor out) {
+at::Tensor qdense_t(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits, int64_t group,
+                       double z, int64_t b0, int64_t b1, at::Tensor out) {
   check_packed(codes, scales, offsets, bits, group);
   const int64_t NB = codes.size(0), G = codes.size(1);
   TORCH_CHECK(0 <= b0 && b0 < b1 && b1 <= NB, "blocks [", b0, ", ", b1, ") out of range [0, ", NB, ")");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == G * group && out.size(1) == (b1 - b0) * L && out.is_contiguous() &&
-                  out.scalar_type() == torch::kFloat,
+                  out.scalar_type() == at::kFloat,
               "out: [K, 16 (b1 - b0)] float32 contiguous");
   const bool off = offsets.numel() > 0;
   dispatch(bits, off, [&](auto B, auto O) {
@@ -1229,12 +1228,12 @@ void group_l1(const uint8_t* codes, Sc sc, Sc of, int64_t NB, int64_t G, int64_t
 // out [NB, G, 16] float32: out[b, j, r] = sum over the group's columns k of |w| of output row 16 b + r (padding rows
 // of a last block: their codes and scales give 0). The bound table of ``ScreenedArgmax`` from the packed weight in
 // one pass, instead of dequantizing every row to float32 and summing it apart.
-torch::Tensor qgroup_l1(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits, int64_t group,
-                        double z, torch::Tensor out) {
+at::Tensor qgroup_l1(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits, int64_t group,
+                        double z, at::Tensor out) {
   check_packed(codes, scales, offsets, bits, group);
   const int64_t NB = codes.size(0), G = codes.size(1);
   TORCH_CHECK(out.dim() == 3 && out.size(0) == NB && out.size(1) == G && out.size(2) == L && out.is_contiguous() &&
-                  out.scalar_type() == torch::kFloat,
+                  out.scalar_type() == at::kFloat,
               "out: [NB, G, 16] float32 contiguous");
   const bool off = offsets.numel() > 0;
   dispatch(bits, off, [&](auto B, auto O) {
@@ -1357,8 +1356,8 @@ void run_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, Sc sc,
 }  // namespace
 
 // As qlinear, for many rows of x (a prefill): panels of the weight dequantized once per chunk of x-rows.
-torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
-                    int64_t group, double z, torch::Tensor bias, torch::Tensor out, bool accumulate) {
+at::Tensor qgemm(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
+                    int64_t group, double z, at::Tensor bias, at::Tensor out, bool accumulate) {
   const LinearArgs a = linear_args(x, codes, scales, offsets, bits, group, z, bias, out);
   dispatch(bits, a.off, [&](auto B, auto O) {
     run_gemm<decltype(B)::value, decltype(O)::value>(x.data_ptr<float>(), a.M, a.K, a.codes, a.scales, a.offsets,

@@ -12,7 +12,7 @@
 //   q   = rope_qkv(qkv, cos, sin) -> k, v into the cache  # [B, n, hq, d]
 //   h  += attention(q, cache) @ Wo^T                      # in place (the residual stream)
 //   h  += silu_mul(rms_norm(h, post_attention_norm) @ Wgu^T) @ Wdown^T
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // binds to Python (PYBIND11_MODULE / bind_step)
 
 #include <cmath>
 #include <cstdlib>
@@ -27,10 +27,10 @@ namespace {
 // One kernel call of a packed linear: output columns [a, b) of y.
 struct Part {
   int64_t kind;  // 0: block-quantized (qlinear), 1: the same in the int8 mode (qlinear_i8), 2: float32 (gemv linear)
-  torch::Tensor codes, scales, offsets;  // kind 2: codes is the packed weight [N / 8, K, 8], the others unused
+  at::Tensor codes, scales, offsets;  // kind 2: codes is the packed weight [N / 8, K, 8], the others unused
   int64_t bits, group;
   double z;
-  torch::Tensor bias;  // [b - a] or empty
+  at::Tensor bias;  // [b - a] or empty
   int64_t a, b;
   raw::QWeight w{};      // kinds 0 and 1: the weight's pointers (checked once, by make_linear)
   int64_t K = 0;         // input columns
@@ -84,7 +84,7 @@ inline int64_t padded(int64_t floats) { return (floats + 15) / 16 * 16; }  // a 
 
 struct LayerPlan {
   Linear qkv, o, gate_up, down;
-  torch::Tensor input_norm, post_norm, q_norm, k_norm;  // q_norm, k_norm: empty unless the layer has them
+  at::Tensor input_norm, post_norm, q_norm, k_norm;  // q_norm, k_norm: empty unless the layer has them
   double input_eps, post_eps, q_eps, k_eps;
   int64_t hq, hkv, head_dim, window;
   double scaling;
@@ -93,21 +93,21 @@ struct LayerPlan {
   // entries [start, start + n) written here; cos / sin [B, n, rot] contiguous. The kernels on raw pointers with
   // the intermediate rows in this thread's scratch (no tensor made): the same calls, in the same order and with
   // the same arguments as the tensor functions, so bit for bit their results.
-  void forward(const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& keys,
-               const torch::Tensor& values, int64_t start) const {
+  void forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+               const at::Tensor& values, int64_t start) const {
     const int64_t B = h.size(0), n = h.size(1), hidden = h.size(2), rows = B * n, d = head_dim;
     const int64_t cap = keys.size(2), rot = cos.size(-1), inter = gate_up.out_features / 2;
     const int64_t W = qkv.out_features;  // (hq + 2 hkv) d
-    TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == torch::kFloat && rows >= 1 && rows <= 16 &&
+    TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == at::kFloat && rows >= 1 && rows <= 16 &&
                     hidden == qkv.in_features(),
                 "h: [B, n, hidden] float32 contiguous, 1-16 rows");
     TORCH_CHECK(keys.dim() == 4 && keys.size(0) == B && keys.size(1) == hkv && keys.size(3) == d &&
                     keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() &&
-                    keys.scalar_type() == torch::kFloat && values.scalar_type() == torch::kFloat,
+                    keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
                 "keys, values: [B, hkv, capacity, head_dim] float32 contiguous");
     TORCH_CHECK(start >= 0 && start + n <= cap, "cache too small");
-    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat &&
-                    sin.sizes() == cos.sizes() && sin.scalar_type() == torch::kFloat && cos.numel() == rows * rot &&
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                    sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && cos.numel() == rows * rot &&
                     rot <= d,
                 "cos, sin: [B, n, rot] float32 contiguous");
     float* hp = h.data_ptr<float>();
@@ -146,12 +146,12 @@ Linear make_linear(std::vector<Part> parts, int64_t out_features) {
                 "a float32 part must be the linear's only one");
     TORCH_CHECK(0 <= p.a && p.a < p.b && p.b <= out_features, "part columns out of range");
     TORCH_CHECK(p.bias.numel() == 0 || (p.bias.numel() == p.b - p.a && p.bias.is_contiguous() &&
-                                        p.bias.scalar_type() == torch::kFloat),
+                                        p.bias.scalar_type() == at::kFloat),
                 "bias: [b - a] float32 or empty");
     p.bias_p = p.bias.numel() ? p.bias.data_ptr<float>() : nullptr;
     if (p.kind == 2) {
       TORCH_CHECK(p.codes.dim() == 3 && p.codes.size(2) == 8 && p.codes.is_contiguous() &&
-                      p.codes.scalar_type() == torch::kFloat && p.codes.size(1) % 4 == 0 &&
+                      p.codes.scalar_type() == at::kFloat && p.codes.size(1) % 4 == 0 &&
                       out_features <= p.codes.size(0) * 8,
                   "a float32 part's packed weight: [N / 8, K, 8] float32, K % 4 == 0");
       p.K = p.codes.size(1);
@@ -166,14 +166,14 @@ Linear make_linear(std::vector<Part> parts, int64_t out_features) {
 }
 
 // Layers [0, plans) on h, each with its rotary tables, cache buffers and cache length.
-torch::Tensor run_layers(const std::vector<std::shared_ptr<LayerPlan>>& plans, torch::Tensor h,
-                         const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
-                         const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+at::Tensor run_layers(const std::vector<std::shared_ptr<LayerPlan>>& plans, at::Tensor h,
+                         const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                         const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                          const std::vector<int64_t>& starts) {
   const size_t L = plans.size();
   TORCH_CHECK(cos.size() == L && sin.size() == L && keys.size() == L && values.size() == L && starts.size() == L,
               "one rotary table, cache buffer and start per layer");
-  TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == torch::kFloat, "h: [B, n, hidden] float32");
+  TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == at::kFloat, "h: [B, n, hidden] float32");
   TORCH_CHECK(h.size(0) * h.size(1) <= 16, "a decoding step of at most 16 rows, got ", h.size(0) * h.size(1));
   for (size_t i = 0; i < L; ++i) plans[i]->forward(h, cos[i], sin[i], keys[i], values[i], starts[i]);
   return h;
@@ -187,7 +187,7 @@ torch::Tensor run_layers(const std::vector<std::shared_ptr<LayerPlan>>& plans, t
 //   f^     = layers(x @ Wfuse^T)                            # [1, n, hidden], each layer appending to its cache
 //   logits = rms_norm(f^[-1], norm_out) @ Wpart^T           # [1, V'] the drafted vocabulary's rows
 struct HeadPlan {
-  torch::Tensor norm_h, norm_f, norm_out;
+  at::Tensor norm_h, norm_f, norm_out;
   double eps_h, eps_f, eps_out;
   Linear fuse, lm;
   std::vector<std::shared_ptr<LayerPlan>> layers;
@@ -195,16 +195,16 @@ struct HeadPlan {
 
 // h, ctx [1, n, hidden] float32 contiguous (exit states, the previous positions' final states); per head layer its
 // rotary tables, cache buffers and cache length. -> {f^ [1, n, hidden], the last row's logits [1, V']}
-std::vector<torch::Tensor> head_step(const HeadPlan& p, const torch::Tensor& h, const torch::Tensor& ctx,
-                                     const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
-                                     const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+std::vector<at::Tensor> head_step(const HeadPlan& p, const at::Tensor& h, const at::Tensor& ctx,
+                                     const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                                      const std::vector<int64_t>& starts) {
   const size_t L = p.layers.size();
   TORCH_CHECK(cos.size() == L && sin.size() == L && keys.size() == L && values.size() == L && starts.size() == L,
               "one rotary table, cache buffer and start per head layer");
-  TORCH_CHECK(h.dim() == 3 && h.size(0) == 1 && h.is_contiguous() && h.scalar_type() == torch::kFloat,
+  TORCH_CHECK(h.dim() == 3 && h.size(0) == 1 && h.is_contiguous() && h.scalar_type() == at::kFloat,
               "h: [1, n, hidden] float32 contiguous");
-  TORCH_CHECK(ctx.sizes() == h.sizes() && ctx.is_contiguous() && ctx.scalar_type() == torch::kFloat,
+  TORCH_CHECK(ctx.sizes() == h.sizes() && ctx.is_contiguous() && ctx.scalar_type() == at::kFloat,
               "ctx: h's shape, float32 contiguous");
   const int64_t n = h.size(1), hidden = h.size(2);
   TORCH_CHECK(n >= 1 && n <= 16, "a head step of 1-16 rows, got ", n);
@@ -216,12 +216,12 @@ std::vector<torch::Tensor> head_step(const HeadPlan& p, const torch::Tensor& h, 
     raw::rms_norm(hp + r * hidden, p.norm_h.data_ptr<float>(), x + r * 2 * hidden, 1, hidden, p.eps_h);
     raw::rms_norm(cp + r * hidden, p.norm_f.data_ptr<float>(), x + r * 2 * hidden + hidden, 1, hidden, p.eps_f);
   }
-  torch::Tensor f = torch::empty({1, n, hidden}, h.options());
+  at::Tensor f = at::empty({1, n, hidden}, h.options());
   p.fuse.apply(x, n, f.data_ptr<float>(), hidden, false);
   for (size_t i = 0; i < L; ++i) p.layers[i]->forward(f, cos[i], sin[i], keys[i], values[i], starts[i]);
   float* last = scratch(padded(hidden));
   raw::rms_norm(f.data_ptr<float>() + (n - 1) * hidden, p.norm_out.data_ptr<float>(), last, 1, hidden, p.eps_out);
-  torch::Tensor logits = torch::empty({1, p.lm.out_features}, h.options());
+  at::Tensor logits = at::empty({1, p.lm.out_features}, h.options());
   p.lm.apply(last, 1, logits.data_ptr<float>(), p.lm.out_features, false);
   return {f, logits};
 }
@@ -231,7 +231,7 @@ std::vector<torch::Tensor> head_step(const HeadPlan& p, const torch::Tensor& h, 
 // kernels a step's Python runs with cold caches (the step has just streamed the weights through them): the same
 // three in Python took 0.4 ms of an 18.9 ms Qwen2.5-0.5B step.
 struct GreedyHead {
-  torch::Tensor norm;
+  at::Tensor norm;
   double eps;
   Linear lm;
 };
@@ -246,18 +246,18 @@ void greedy_ids(const GreedyHead& g, const float* h, int64_t rows, int64_t* ids)
   raw::argmax_rows(logits, rows, V, ids);
 }
 
-torch::Tensor greedy_head(const GreedyHead& g, const torch::Tensor& h) {  // h [rows, hidden] -> ids [rows] int64
-  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= 16 && h.scalar_type() == torch::kFloat &&
+at::Tensor greedy_head(const GreedyHead& g, const at::Tensor& h) {  // h [rows, hidden] -> ids [rows] int64
+  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= 16 && h.scalar_type() == at::kFloat &&
                   h.size(1) == g.norm.numel(),
               "h: [rows, hidden] float32, 1-16 rows");
-  const torch::Tensor hc = h.contiguous();
-  torch::Tensor ids = torch::empty({h.size(0)}, h.options().dtype(torch::kLong));
+  const at::Tensor hc = h.contiguous();
+  at::Tensor ids = at::empty({h.size(0)}, h.options().dtype(at::kLong));
   greedy_ids(g, hc.data_ptr<float>(), h.size(0), ids.data_ptr<int64_t>());
   return ids;
 }
 
 // The next token of a step's final state h [1, 1, hidden] (greedy_head's, without its tensors).
-int64_t greedy_next(const GreedyHead& g, const torch::Tensor& h) {
+int64_t greedy_next(const GreedyHead& g, const at::Tensor& h) {
   int64_t next;
   greedy_ids(g, h.data_ptr<float>(), 1, &next);
   return next;
@@ -272,7 +272,7 @@ struct PlainStep {
   std::vector<std::shared_ptr<LayerPlan>> layers;
   std::vector<int64_t> kinds;  // per layer: the index of its rotary table (Gemma 3: one per attention kind)
   int64_t embed_kind;          // 0: block-quantized rows (qdequant), 2: a float32 table [vocab, hidden]
-  torch::Tensor codes, scales, offsets;  // embed_kind 2: codes is the table, the others unused
+  at::Tensor codes, scales, offsets;  // embed_kind 2: codes is the table, the others unused
   int64_t bits, group;
   double z;
   int64_t vocab, hidden;
@@ -280,10 +280,10 @@ struct PlainStep {
 };
 
 // Per layer, its rotary kind's row at ``position`` of the tables ``cos``, ``sin`` (per kind [1, > position, rot]).
-void rotary_at(const PlainStep& p, int64_t position, const std::vector<torch::Tensor>& cos,
-               const std::vector<torch::Tensor>& sin, std::vector<torch::Tensor>& c, std::vector<torch::Tensor>& s) {
+void rotary_at(const PlainStep& p, int64_t position, const std::vector<at::Tensor>& cos,
+               const std::vector<at::Tensor>& sin, std::vector<at::Tensor>& c, std::vector<at::Tensor>& s) {
   TORCH_CHECK(cos.size() == sin.size() && !cos.empty(), "one cos and one sin table per rotary kind");
-  std::vector<torch::Tensor> cos_at, sin_at;  // per kind: the position's row [1, 1, rot]
+  std::vector<at::Tensor> cos_at, sin_at;  // per kind: the position's row [1, 1, rot]
   for (size_t k = 0; k < cos.size(); ++k) {
     TORCH_CHECK(cos[k].dim() == 3 && cos[k].size(1) > position && position >= 0 && sin[k].sizes() == cos[k].sizes(),
                 "rotary tables [1, > position, rot]");
@@ -300,11 +300,11 @@ void rotary_at(const PlainStep& p, int64_t position, const std::vector<torch::Te
 }
 
 // The token's embedding row [1, 1, hidden] (a quantized table's row dequantized, or a float32 table's copied).
-torch::Tensor embed_row(const PlainStep& p, int64_t token) {
+at::Tensor embed_row(const PlainStep& p, int64_t token) {
   TORCH_CHECK(0 <= token && token < p.vocab, "token id ", token, " out of range [0, ", p.vocab, ")");
-  torch::Tensor h = torch::empty({1, 1, p.hidden}, torch::kFloat);
+  at::Tensor h = at::empty({1, 1, p.hidden}, at::kFloat);
   if (p.embed_kind == 0)
-    qdequant(p.codes, p.scales, p.offsets, p.bits, p.group, p.z, torch::full({1}, token, torch::kLong),
+    qdequant(p.codes, p.scales, p.offsets, p.bits, p.group, p.z, at::full({1}, token, at::kLong),
              h.view({1, p.hidden}));
   else
     h.view({p.hidden}).copy_(p.codes[token]);
@@ -312,9 +312,9 @@ torch::Tensor embed_row(const PlainStep& p, int64_t token) {
 }
 
 // Layers [a, b) of the plan on h [1, 1, hidden] in place.
-void layers_range(const PlainStep& p, const torch::Tensor& h, int64_t a, int64_t b, const std::vector<torch::Tensor>& c,
-                  const std::vector<torch::Tensor>& s, const std::vector<torch::Tensor>& keys,
-                  const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts) {
+void layers_range(const PlainStep& p, const at::Tensor& h, int64_t a, int64_t b, const std::vector<at::Tensor>& c,
+                  const std::vector<at::Tensor>& s, const std::vector<at::Tensor>& keys,
+                  const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts) {
   TORCH_CHECK(keys.size() == p.layers.size() && values.size() == keys.size() && starts.size() == keys.size(),
               "one cache buffer and start per layer");
   for (int64_t i = a; i < b; ++i) p.layers[i]->forward(h, c[i], s[i], keys[i], values[i], starts[i]);
@@ -322,12 +322,12 @@ void layers_range(const PlainStep& p, const torch::Tensor& h, int64_t a, int64_t
 
 // token: the pending token, at ``position``; cos, sin: per rotary kind the table [1, >= position + 1, rot] of
 // positions 0, 1, ...; keys / values: every layer's cache buffers, entries ``starts`` written. -> the next token
-int64_t greedy_step(const PlainStep& p, int64_t token, int64_t position, const std::vector<torch::Tensor>& cos,
-                    const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& keys,
-                    const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts) {
-  std::vector<torch::Tensor> c, s;
+int64_t greedy_step(const PlainStep& p, int64_t token, int64_t position, const std::vector<at::Tensor>& cos,
+                    const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& keys,
+                    const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts) {
+  std::vector<at::Tensor> c, s;
   rotary_at(p, position, cos, sin, c, s);
-  const torch::Tensor h = embed_row(p, token);
+  const at::Tensor h = embed_row(p, token);
   layers_range(p, h, 0, p.layers.size(), c, s, keys, values, starts);
   return greedy_next(p.head, h);
 }
@@ -338,17 +338,17 @@ int64_t greedy_step(const PlainStep& p, int64_t token, int64_t position, const s
 // from layers [0, k), the rest of the layers over it, greedy_head), without its ~25 small ops: measured, such
 // rounds cost 1.06 plain steps (20 Spec-Bench translation questions, Qwen2.5-0.5B, AMD Zen 5, 2 threads).
 // -> (the exit state [1, 1, hidden], the final state [1, 1, hidden], the next token)
-std::tuple<torch::Tensor, torch::Tensor, int64_t> step_with_states(
-    const PlainStep& p, int64_t k, int64_t token, int64_t position, const std::vector<torch::Tensor>& cos,
-    const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& keys,
-    const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts) {
+std::tuple<at::Tensor, at::Tensor, int64_t> step_with_states(
+    const PlainStep& p, int64_t k, int64_t token, int64_t position, const std::vector<at::Tensor>& cos,
+    const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& keys,
+    const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts) {
   const int64_t L = p.layers.size();
   TORCH_CHECK(0 <= k && k <= L, "exit layer ", k, " out of range [0, ", L, "]");
-  std::vector<torch::Tensor> c, s;
+  std::vector<at::Tensor> c, s;
   rotary_at(p, position, cos, sin, c, s);
-  const torch::Tensor h = embed_row(p, token);
+  const at::Tensor h = embed_row(p, token);
   layers_range(p, h, 0, k, c, s, keys, values, starts);
-  const torch::Tensor exit = h.clone();
+  const at::Tensor exit = h.clone();
   layers_range(p, h, k, L, c, s, keys, values, starts);
   const int64_t next = greedy_next(p.head, h);
   return {exit, h, next};
@@ -366,37 +366,37 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> step_with_states(
 // Measured before (Qwen2.5-0.5B, 20 Spec-Bench translation questions, AMD Zen 5, 2 threads): 73% of the default's
 // rounds were blank, each 1.10 plain steps where the head's kernel is ~0.05 of one; the rest was the round's Python.
 // -> ({exit state, f^ [1, n, hidden], the final state [1, 1, hidden] or an empty tensor}, drafted, token, conf)
-std::tuple<std::vector<torch::Tensor>, bool, int64_t, double> draft_or_step(
+std::tuple<std::vector<at::Tensor>, bool, int64_t, double> draft_or_step(
     const PlainStep& p, const HeadPlan& head, int64_t k, int64_t token, int64_t position,
-    const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& keys,
-    const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
-    const torch::Tensor& backlog,  // [1, b, hidden]: exit states the head has not seen yet (b may be 0)
-    const torch::Tensor& ctx,      // [1, b + 1, hidden]: the final states of the positions before those rows
-    const std::vector<torch::Tensor>& head_cos, const std::vector<torch::Tensor>& head_sin,
-    const std::vector<torch::Tensor>& head_keys, const std::vector<torch::Tensor>& head_values,
+    const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& keys,
+    const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts,
+    const at::Tensor& backlog,  // [1, b, hidden]: exit states the head has not seen yet (b may be 0)
+    const at::Tensor& ctx,      // [1, b + 1, hidden]: the final states of the positions before those rows
+    const std::vector<at::Tensor>& head_cos, const std::vector<at::Tensor>& head_sin,
+    const std::vector<at::Tensor>& head_keys, const std::vector<at::Tensor>& head_values,
     const std::vector<int64_t>& head_starts,
-    const torch::Tensor& ids,  // [V'] int64: the drafted vocabulary's token ids
+    const at::Tensor& ids,  // [V'] int64: the drafted vocabulary's token ids
     double bar) {
   const int64_t L = p.layers.size();
   TORCH_CHECK(0 <= k && k <= L, "exit layer ", k, " out of range [0, ", L, "]");
   TORCH_CHECK(backlog.dim() == 3 && backlog.size(0) == 1 && backlog.size(2) == p.hidden &&
-                  backlog.scalar_type() == torch::kFloat,
+                  backlog.scalar_type() == at::kFloat,
               "backlog: [1, b, hidden] float32");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.size(0) == head.lm.out_features,
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.size(0) == head.lm.out_features,
               "ids: the drafted vocabulary's [V'] int64");
-  std::vector<torch::Tensor> c, s;
+  std::vector<at::Tensor> c, s;
   rotary_at(p, position, cos, sin, c, s);
-  const torch::Tensor h = embed_row(p, token);
+  const at::Tensor h = embed_row(p, token);
   layers_range(p, h, 0, k, c, s, keys, values, starts);
-  const torch::Tensor exit = h.clone();
-  const torch::Tensor rows = backlog.size(1) ? torch::cat({backlog, exit}, 1) : exit;
-  const std::vector<torch::Tensor> fz = head_step(head, rows, ctx, head_cos, head_sin, head_keys, head_values,
+  const at::Tensor exit = h.clone();
+  const at::Tensor rows = backlog.size(1) ? at::cat({backlog, exit}, 1) : exit;
+  const std::vector<at::Tensor> fz = head_step(head, rows, ctx, head_cos, head_sin, head_keys, head_values,
                                                   head_starts);
-  const torch::Tensor z = fz[1][0];  // [V']
-  const double conf = torch::softmax(z, -1).max().item<double>();
+  const at::Tensor z = fz[1][0];  // [V']
+  const double conf = at::softmax(z, -1).max().item<double>();
   if ((std::isinf(bar) && bar < 0) || conf >= bar) {  // -inf: a policy that keeps every draft (even a NaN's)
     const int64_t draft = ids[argmax_rows(fz[1]).item<int64_t>()].item<int64_t>();
-    return {{exit, fz[0], torch::Tensor()}, true, draft, conf};
+    return {{exit, fz[0], at::Tensor()}, true, draft, conf};
   }
   layers_range(p, h, k, L, c, s, keys, values, starts);
   const int64_t next = greedy_next(p.head, h);
@@ -408,17 +408,17 @@ std::tuple<std::vector<torch::Tensor>, bool, int64_t, double> draft_or_step(
 void bind_step(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<Part>(m, "Part")
-      .def(py::init([](int64_t kind, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
-                       int64_t group, double z, torch::Tensor bias, int64_t a, int64_t b) {
+      .def(py::init([](int64_t kind, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
+                       int64_t group, double z, at::Tensor bias, int64_t a, int64_t b) {
              return Part{kind, codes, scales, offsets, bits, group, z, bias, a, b};
            }),
            py::arg("kind"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
            py::arg("group"), py::arg("z"), py::arg("bias"), py::arg("a"), py::arg("b"));
   py::class_<Linear>(m, "Linear").def(py::init(&make_linear), py::arg("parts"), py::arg("out_features"));
   py::class_<LayerPlan, std::shared_ptr<LayerPlan>>(m, "LayerPlan")
-      .def(py::init([](Linear qkv, Linear o, Linear gate_up, Linear down, torch::Tensor input_norm, double input_eps,
-                       torch::Tensor post_norm, double post_eps, torch::Tensor q_norm, double q_eps,
-                       torch::Tensor k_norm, double k_eps, int64_t hq, int64_t hkv, int64_t head_dim, int64_t window,
+      .def(py::init([](Linear qkv, Linear o, Linear gate_up, Linear down, at::Tensor input_norm, double input_eps,
+                       at::Tensor post_norm, double post_eps, at::Tensor q_norm, double q_eps,
+                       at::Tensor k_norm, double k_eps, int64_t hq, int64_t hkv, int64_t head_dim, int64_t window,
                        double scaling) {
              const int64_t hidden = input_norm.numel(), W = (hq + 2 * hkv) * head_dim;
              TORCH_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0 && head_dim > 0, "heads: hq a multiple of hkv");
@@ -429,8 +429,8 @@ void bind_step(pybind11::module_& m) {
                          "a layer plan's linears and norms must chain (hidden ", hidden, ")");
              TORCH_CHECK(q_norm.numel() == 0 || (q_norm.numel() == head_dim && k_norm.numel() == head_dim),
                          "q and k norms: head_dim weights each");
-             for (const torch::Tensor* t : {&input_norm, &post_norm, &q_norm, &k_norm})
-               TORCH_CHECK(t->numel() == 0 || (t->is_contiguous() && t->scalar_type() == torch::kFloat),
+             for (const at::Tensor* t : {&input_norm, &post_norm, &q_norm, &k_norm})
+               TORCH_CHECK(t->numel() == 0 || (t->is_contiguous() && t->scalar_type() == at::kFloat),
                            "norm weights: float32 contiguous");
              return std::make_shared<LayerPlan>(LayerPlan{qkv, o, gate_up, down, input_norm, post_norm, q_norm, k_norm,
                                                           input_eps, post_eps, q_eps, k_eps, hq, hkv, head_dim, window,
@@ -441,30 +441,30 @@ void bind_step(pybind11::module_& m) {
            py::arg("k_norm"), py::arg("k_eps"), py::arg("hq"), py::arg("hkv"), py::arg("head_dim"), py::arg("window"),
            py::arg("scaling"));
   py::class_<HeadPlan>(m, "HeadPlan")
-      .def(py::init([](torch::Tensor norm_h, double eps_h, torch::Tensor norm_f, double eps_f, Linear fuse,
-                       std::vector<std::shared_ptr<LayerPlan>> layers, torch::Tensor norm_out, double eps_out,
+      .def(py::init([](at::Tensor norm_h, double eps_h, at::Tensor norm_f, double eps_f, Linear fuse,
+                       std::vector<std::shared_ptr<LayerPlan>> layers, at::Tensor norm_out, double eps_out,
                        Linear lm) {
              TORCH_CHECK(!layers.empty(), "a head plan needs its decoder layers");
              const int64_t hidden = norm_h.numel();
              TORCH_CHECK(norm_f.numel() == hidden && norm_out.numel() == hidden && fuse.in_features() == 2 * hidden &&
                              fuse.out_features == hidden && lm.in_features() == hidden,
                          "a head plan's norms and linears must chain (hidden ", hidden, ")");
-             for (const torch::Tensor* t : {&norm_h, &norm_f, &norm_out})
-               TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat, "norm weights: float32 contiguous");
+             for (const at::Tensor* t : {&norm_h, &norm_f, &norm_out})
+               TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat, "norm weights: float32 contiguous");
              return HeadPlan{norm_h, norm_f, norm_out, eps_h, eps_f, eps_out, fuse, lm, std::move(layers)};
            }),
            py::arg("norm_h"), py::arg("eps_h"), py::arg("norm_f"), py::arg("eps_f"), py::arg("fuse"),
            py::arg("layers"), py::arg("norm_out"), py::arg("eps_out"), py::arg("lm"));
   py::class_<GreedyHead>(m, "GreedyHead")
-      .def(py::init([](torch::Tensor norm, double eps, Linear lm) {
-             TORCH_CHECK(norm.numel() == lm.in_features() && norm.is_contiguous() && norm.scalar_type() == torch::kFloat,
+      .def(py::init([](at::Tensor norm, double eps, Linear lm) {
+             TORCH_CHECK(norm.numel() == lm.in_features() && norm.is_contiguous() && norm.scalar_type() == at::kFloat,
                          "the final norm: the LM head's input width, float32 contiguous");
              return GreedyHead{norm, eps, lm};
            }),
            py::arg("norm"), py::arg("eps"), py::arg("lm"));
   py::class_<PlainStep>(m, "PlainStep")
       .def(py::init([](std::vector<std::shared_ptr<LayerPlan>> layers, std::vector<int64_t> kinds, int64_t kinds_n,
-                       int64_t embed_kind, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                       int64_t embed_kind, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
                        int64_t bits, int64_t group, double z, int64_t vocab, GreedyHead head) {
              TORCH_CHECK(!layers.empty() && kinds.size() == layers.size(), "a plan per layer and its rotary kind");
              for (int64_t k : kinds) TORCH_CHECK(0 <= k && k < kinds_n, "rotary kind out of range");
@@ -472,7 +472,7 @@ void bind_step(pybind11::module_& m) {
              int64_t hidden = head.norm.numel();
              if (embed_kind == 2)
                TORCH_CHECK(codes.dim() == 2 && codes.size(0) >= vocab && codes.size(1) == hidden &&
-                               codes.scalar_type() == torch::kFloat && codes.is_contiguous(),
+                               codes.scalar_type() == at::kFloat && codes.is_contiguous(),
                            "a float32 embedding table [vocab, hidden]");
              return PlainStep{std::move(layers), std::move(kinds), embed_kind, codes, scales, offsets, bits, group, z,
                               vocab, hidden, head};
