@@ -53,7 +53,7 @@ def test_decode_is_gguf_dequantize_bit_for_bit(type_name):
     np.testing.assert_array_equal(s2, scales)
 
 
-ROW_COUNTS = [1, 2, 3, 5, 8, 13, 16, 17, 40, 64, GEMM_ROWS, GEMM_ROWS + 37]
+ROW_COUNTS = [1, 2, 3, 5, 8, 13, 16, 17, 40, 64, GEMM_ROWS, GEMM_ROWS + 37, 301]  # 301: two chunks of the panels
 
 
 @pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
@@ -81,6 +81,21 @@ def test_kernel_matches_dequantize_linear(type_name, rows, way, monkeypatch):
     qw.matmul(x, out[:, 2 : 2 + n], None, accumulate=True)
     want2 = want + F.linear(x.double(), w.double())
     assert ((out[:, 2 : 2 + n].double() - want2).abs() <= 2 * bound + 1e-6 * want.abs()).all()
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q6_K", "Q4_1"])
+def test_panels_give_a_row_the_same_bits_in_any_call(type_name):
+    """The prefill's panels (qgemm): each output is one float32 sum over k in order, whatever the call's row count, its
+    chunks of x-rows or its register tiles (x packed per tile, remainders in smaller tiles); the prefix cache relies
+    on it. 301 rows: two chunks (240 + 61, five tiles of 12 and one row); 37 and 1 alone; a middle slice."""
+    n, k = 53, 256 * 3
+    qw = QuantWeight.from_gguf(random_tensor(type_name, n, k, seed=7), type_name, k)
+    x = torch.randn(301, k, generator=torch.Generator().manual_seed(7))
+    ext, no_bias = built_extension(), torch.empty(0)
+    whole = ext.qgemm(x, *qw.kernel_args(), no_bias, torch.empty(301, n), False)
+    for a, b in ((0, 37), (264, 301), (300, 301), (13, 290)):
+        part = ext.qgemm(x[a:b].contiguous(), *qw.kernel_args(), no_bias, torch.empty(b - a, n), False)
+        assert torch.equal(part, whole[a:b]), (a, b)
 
 
 @pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
