@@ -1294,26 +1294,32 @@ inline void gemm_tile(const float* __restrict xp, const float* __restrict w, int
     for (int v = 0; v < PV; ++v) std::memcpy(c + m * PR + v * VL, &acc[m][v], sizeof(vf));
 }
 
-// Rows [0, mb) of x [mb][K] into tiles of R rows (the rest in tiles of R - 1, ...: as gemm_rows_of cuts them), each
-// [K][R]; the tile holding row m starts at xp + m * K.
-template <int R>
-void pack_tiles(const float* __restrict x, int64_t K, int64_t mb, float* __restrict xp) {
-  int64_t m = 0;
-  for (; m + R <= mb; m += R)
-    for (int64_t k = 0; k < K; ++k)
-      for (int r = 0; r < R; ++r) xp[m * K + k * R + r] = x[(m + r) * K + k];
+// How a chunk's mb x-rows are cut into register tiles: tiles of R rows, the rest in tiles of R - 1, ...; f(tile, m) for
+// each, ``tile`` an std::integral_constant holding its row count, m its first row. Packing and multiplying both walk
+// it, so the tile holding row m starts at xp + m * K in the packed chunk.
+template <int R, typename F>
+inline void for_tiles(int64_t mb, const F& f, int64_t m = 0) {
+  for (; m + R <= mb; m += R) f(std::integral_constant<int, R>{}, m);
   if constexpr (R > 1) {
-    if (m < mb) pack_tiles<R - 1>(x + m * K, K, mb - m, xp + m * K);
+    if (m < mb) for_tiles<R - 1>(mb, f, m);
   }
 }
 
-template <int R>
-void gemm_rows_of(const float* xp, int64_t K, int64_t k0, const float* w, int64_t kc, float* c, int64_t mb) {
-  int64_t m = 0;
-  for (; m + R <= mb; m += R) gemm_tile<R>(xp + m * K + k0 * R, w, kc, c + m * PR);
-  if constexpr (R > 1) {
-    if (m < mb) gemm_rows_of<R - 1>(xp + m * K, K, k0, w, kc, c + m * PR, mb - m);
-  }
+// Rows [0, mb) of x [mb][K] packed per tile, each tile of R rows as [K][R].
+inline void pack_tiles(const float* __restrict x, int64_t K, int64_t mb, float* __restrict xp) {
+  for_tiles<MR>(mb, [&](auto tile, int64_t m) {
+    constexpr int R = decltype(tile)::value;
+    for (int64_t k = 0; k < K; ++k)
+      for (int r = 0; r < R; ++r) xp[m * K + k * R + r] = x[(m + r) * K + k];
+  });
+}
+
+// c[mb][PR] += the packed chunk's columns [k0, k0 + kc) @ w[kc][PR], tile by tile.
+inline void gemm_rows(const float* xp, int64_t K, int64_t k0, const float* w, int64_t kc, float* c, int64_t mb) {
+  for_tiles<MR>(mb, [&](auto tile, int64_t m) {
+    constexpr int R = decltype(tile)::value;
+    gemm_tile<R>(xp + m * K + k0 * R, w, kc, c + m * PR);
+  });
 }
 
 // Columns [k0, k0 + kc) of blocks [b, b + PB) dequantized into w[kc][PR] (blocks past NB are zeros).
@@ -1343,7 +1349,7 @@ void run_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, Sc sc,
   Buffer xs = aligned_floats(std::min<int64_t>(MB, M) * K);
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t mb = std::min<int64_t>(MB, M - m0);
-    pack_tiles<MR>(x + m0 * K, K, mb, xs.get());
+    pack_tiles(x + m0 * K, K, mb, xs.get());
 #pragma omp parallel
     {
       Buffer w = aligned_floats(kcs * PR), c = aligned_floats(MB * PR);
@@ -1353,7 +1359,7 @@ void run_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, Sc sc,
         for (int64_t k0 = 0; k0 < K; k0 += kcs) {
           const int64_t kc = std::min<int64_t>(kcs, K - k0);
           panel<BITS, OFF>(codes, sc, of, NB, G, g, z, p * PB, k0, kc, w.get());
-          gemm_rows_of<MR>(xs.get(), K, k0, w.get(), kc, c.get(), mb);
+          gemm_rows(xs.get(), K, k0, w.get(), kc, c.get(), mb);
         }
         const int64_t n0 = p * PR, rows = std::min<int64_t>(PR, N - n0);
         for (int64_t m = 0; m < mb; ++m) {
