@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from selfspec.config import GenerateConfig
-from selfspec.costs import DraftCosts, best_gamma, measure_draft_costs
+from selfspec.costs import DraftCosts, acceptance_needed, best_gamma, measure_draft_costs
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import FixedPolicy
 from selfspec.engine import MAX_TREE_NODES, Engine
@@ -384,4 +384,25 @@ def format_tuning(t: Tuning) -> str:
         o = t.overhead_ms
         lines += ["", f"round overhead (measured on real rounds, beyond layers and head): {o.get('round', 0):.2f} ms a "
                       f"drafting round + {o.get('per_draft', 0):.2f} ms a draft token"]
+    needed = needed_acceptance(t)
+    if needed:
+        first = t.prior(t.exit_layer, 0)[0]
+        lines += ["", "acceptance a chain's drafts need at these costs (the same at every position, no confidence stop): "
+                      + ", ".join(f"{s:g}x plain {a:.2f}" if a is not None else f"{s:g}x plain out of reach"
+                                  for s, a in needed.items())
+                      + f"; this head's first draft position accepted {first:.2f} here (of drafts past its confidence stop, on "
+                      "the calibration's prompts)"]
     return "\n".join(lines)
+
+
+def needed_acceptance(t: Tuning, targets: tuple[float, ...] = (1.0, 1.3, 1.6)) -> dict[float, float | None]:
+    """Per target speed over plain decoding, the acceptance chains need at the costs this calibration measured at its
+    chosen depth (``costs.acceptance_needed``); {} when the calibration holds no costs for that depth."""
+    c = t.costs_ms.get(str(t.exit_layer))
+    if not c or "1" not in c.get("deep", {}):
+        return {}
+    o = t.overhead_ms or {}
+    costs = DraftCosts(t.exit_layer, c["shallow"] / 1e3, c["head"] / 1e3,
+                       {int(n): v / 1e3 for n, v in c["deep"].items()},
+                       t_round=o.get("round", 0.0) / 1e3, t_per_draft=o.get("per_draft", 0.0) / 1e3)
+    return {s: acceptance_needed(costs, s, CHAIN_CAP) for s in targets}

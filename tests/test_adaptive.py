@@ -14,7 +14,7 @@ from conftest import ARCHS, VOCAB, hf_greedy, tiny_model, tiny_tokenizer
 from test_engine_equality import NEW, prompt_of
 
 from selfspec import DraftConfig, SelfSpec
-from selfspec.costs import DraftCosts
+from selfspec.costs import DraftCosts, acceptance_needed, speedup
 from selfspec.drafting.policies import ConfidencePolicy, DepthBandit, FixedPolicy, ThompsonPolicy
 from selfspec.errors import ExitLayerError, HeadMismatchError
 from selfspec.heads.io import load_head, new_head, save_head
@@ -312,6 +312,22 @@ def test_round_overhead_is_priced_in_every_drafting_round():
     assert simulate(c, [([0.1], 0)], 0.5, 1) == pytest.approx(c.t_plain / (c.round_cost(0) + c.t_head + 0.2))
 
 
+def test_acceptance_needed_is_the_least_acceptance_that_reaches_the_target():
+    free = DraftCosts(0, 0.0, 0.0, {1: 0.01, 16: 0.01})  # drafts and blocks cost nothing: speedup = 1 + a + ... + a^g
+    assert acceptance_needed(free, 1.5, max_gamma=1) == pytest.approx(0.5, abs=1e-6)
+    assert acceptance_needed(free, 1.0) == pytest.approx(0.0, abs=1e-6)
+    assert acceptance_needed(free, 2.5, max_gamma=1) is None  # two tokens a round at most
+    priced = DraftCosts(0, 0.0, 0.001, {1: 0.02, 2: 0.021, 3: 0.023, 4: 0.027, 8: 0.045}, t_round=0.002,
+                        t_per_draft=0.001)
+    a13, a16 = acceptance_needed(priced, 1.3), acceptance_needed(priced, 1.6)
+    assert a13 is not None and a16 is not None and 0.0 < a13 < a16 < 1.0
+    # the least: at it some chain reaches the target, just below it none does
+    assert max(speedup(priced, [a16], g) for g in range(1, 9)) >= 1.6 - 1e-6
+    assert max(speedup(priced, [a16 - 0.01], g) for g in range(1, 9)) < 1.6
+    serial = DraftCosts(0, 0.0, 0.001, {1: 0.02, 2: 0.04, 4: 0.08, 8: 0.16})  # a block costs its rows' steps
+    assert acceptance_needed(serial, 1.0) is None
+
+
 def test_calibration_measures_the_round_overhead_and_the_policy_prices_it():
     ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(), DraftConfig(head="lm", exit_layer=1, lookup=0))
     t = ss.tuning_result
@@ -322,6 +338,7 @@ def test_calibration_measures_the_round_overhead_and_the_policy_prices_it():
     assert policy.costs.t_round == pytest.approx(o["round"] / 1e3)
     assert policy.costs.t_per_draft == pytest.approx(o["per_draft"] / 1e3)
     assert "round overhead" in format_tuning(t)
+    assert "acceptance a chain's drafts need" in format_tuning(t)
 
 
 def test_calibration_is_cached_shown_and_overridable(tmp_path):

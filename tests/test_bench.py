@@ -20,6 +20,7 @@ from selfspec.bench.report import (
     format_summary,
     load_run,
     read_answers,
+    repeated_share,
     summarize,
     write_report,
 )
@@ -186,6 +187,31 @@ def test_speedup_is_a_ratio_of_means_and_mal_pools_steps(tmp_path):
     assert depths == pytest.approx({"1": 2 / 3, "2": 1 / 3})
     assert "rounds" not in s["groups"]["mt_bench"]["hf"]
     assert list(s["groups"]) == ["mt_bench", "translation", "qa", "overall"]
+
+
+def test_repeating_turns_are_reported_apart(tmp_path):
+    assert repeated_share(list(range(40))) == 0.0 and repeated_share([]) == 0.0
+    assert repeated_share(list(range(16)) * 3) == pytest.approx(17 / 48)  # 33 windows, 16 distinct
+    answers = tmp_path / "answers"
+    answers.mkdir()
+    loop, prose = list(range(16)) * 4, list(range(100, 164))  # 64 tokens each
+    base = [record(81, "writing", [64, 64], [1.0, 1.0], ids=[loop, prose])]
+    fast = [record(81, "writing", [64, 64], [0.25, 0.5], ids=[loop, prose])]
+    for name, recs in (("plain", base), ("fast", fast)):
+        (answers / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    s = summarize(load_run(tmp_path), "plain")
+    r = s["repetition"]
+    assert r["turns"] == 2 and r["repeating_turns"] == 1 and r["repeating_token_share"] == pytest.approx(0.5)
+    assert r["speedup"]["fast"] == pytest.approx({"repeating": 4.0, "other": 2.0})
+    assert r["speedup"]["plain"] == pytest.approx({"repeating": 1.0, "other": 1.0})
+    assert "repeats itself" in format_summary(s)
+    fast[0]["choices"][0]["token_ids"] = [prose, prose]  # the method's own text does not count: the baseline's does
+    (answers / "fast.jsonl").write_text(json.dumps(fast[0]) + "\n")
+    assert summarize(load_run(tmp_path), "plain")["repetition"]["repeating_turns"] == 1
+    del base[0]["choices"][0]["token_ids"]  # no token ids recorded: nothing to split
+    (answers / "plain.jsonl").write_text(json.dumps(base[0]) + "\n")
+    s = summarize(load_run(tmp_path), "plain")
+    assert s["repetition"] is None and "repeats itself" not in format_summary(s)
 
 
 def test_decoding_alone_takes_each_turns_prefill_out(tmp_path):

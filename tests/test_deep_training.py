@@ -350,6 +350,10 @@ def test_train_recipe_end_to_end_resumes_and_its_head_decodes_losslessly(sharegp
     assert sizes[1]["label_in_vocab"] >= sizes[0]["label_in_vocab"]
     for when in ("before", "after"):
         assert len(report["eval"][when]["acceptance_rate_per_position"]) == 3
+    needed = report["eval"]["tuning"]["acceptance_needed"]  # what drafts must reach at the measured costs
+    assert set(needed) == {"1x", "1.3x", "1.6x"}
+    reached = [a for a in needed.values() if a is not None]
+    assert reached == sorted(reached) and all(0 <= a <= 1 for a in reached)
     assert report["train"]["steps"] > 0 and report["data"]["answers-train"]["answers"] > 0
     assert 0 < report["own_answers_used"] <= 1  # the share of the answers whose features were read
     head_dir = tmp_path / "run" / "head"

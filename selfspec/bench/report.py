@@ -223,6 +223,54 @@ def method_metrics(run: Run, method: str, qids: list[int], baseline: str | None)
     return out
 
 
+REPEAT_NGRAM = 16  # a token "repeats" when it closes a sequence of this many tokens its answer already held
+REPEAT_SHARE = 0.2  # a turn whose baseline answer has more repeating tokens than this is counted as repeating
+
+
+def repeated_share(ids: list[int], n: int = REPEAT_NGRAM) -> float:
+    """Share of an answer's tokens that close an n-token sequence the answer already held (0 below n tokens). A greedy
+    answer caught in a loop scores near 1; lookup drafts copy such text almost for free, so long runs report their
+    speed on these turns apart (``repetition_split``)."""
+    seen: set[tuple[int, ...]] = set()
+    repeated = 0
+    for i in range(n, len(ids) + 1):
+        gram = tuple(ids[i - n:i])
+        repeated += gram in seen
+        seen.add(gram)
+    return repeated / len(ids) if ids else 0.0
+
+
+def repetition_split(run: Run, baseline: str, qids: list[int]) -> dict[str, Any] | None:
+    """The turns whose baseline answer repeats itself (``repeated_share`` > REPEAT_SHARE) against the others: how many,
+    their share of the baseline's tokens, and each method's speed over the baseline on each set (tokens over seconds,
+    both summed over the set's turns). None when the baseline recorded no token ids."""
+    base = run.answers[baseline]
+    turns: list[tuple[int, int, bool, int]] = []  # (question, turn, repeating, tokens)
+    for q in qids:
+        ids = _choice(base[q]).get("token_ids")
+        if ids is None:
+            return None
+        turns += [(q, t, repeated_share(tids) > REPEAT_SHARE, len(tids)) for t, tids in enumerate(ids)]
+    if not turns:
+        return None
+
+    def tps(method: str, sel: list[tuple[int, int]]) -> float:
+        cs = [(_choice(run.answers[method][q]), t) for q, t in sel]
+        secs = sum(c["wall_time"][t] for c, t in cs)
+        return sum(c["new_tokens"][t] for c, t in cs) / secs if secs > 0 else 0.0
+
+    sets = {key: [(q, t) for q, t, r, _ in turns if r == flag] for key, flag in (("repeating", True), ("other", False))}
+    speedup: dict[str, dict[str, float | None]] = {}
+    for m in run.answers:
+        speedup[m] = {}
+        for key, sel in sets.items():
+            b = tps(baseline, sel) if sel else 0.0
+            speedup[m][key] = tps(m, sel) / b if b > 0 else None
+    tokens = sum(n for *_, n in turns)
+    return {"ngram": REPEAT_NGRAM, "threshold": REPEAT_SHARE, "turns": len(turns), "repeating_turns": len(sets["repeating"]),
+            "repeating_token_share": sum(n for *_, r, n in turns if r) / tokens if tokens else 0.0, "speedup": speedup}
+
+
 def summarize(run: Run, baseline: str | None = None) -> dict[str, Any]:
     """{"groups": {group: {method: metrics}}, ...} over the questions every method answered."""
     baseline = baseline or run.manifest.get("baseline", "hf")
@@ -239,7 +287,8 @@ def summarize(run: Run, baseline: str | None = None) -> dict[str, Any]:
     summary = {g: {m: method_metrics(run, m, qids, base) for m in methods} for g, qids in groups.items()}
     lossy = [m for m in methods if run.manifest.get("methods", {}).get(m, {}).get("info", {}).get("lossy")]
     return {"baseline": base, "methods": methods, "questions": len(common), "groups": summary, "lossy": lossy,
-            "divergences": divergence_summary([d for d in run.divergences if d["question_id"] in common], methods)}
+            "divergences": divergence_summary([d for d in run.divergences if d["question_id"] in common], methods),
+            "repetition": repetition_split(run, base, sorted(common)) if base else None}
 
 
 def divergence_summary(divergences: list[dict], methods: list[str]) -> dict[str, dict]:
@@ -283,6 +332,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             lines.append(f"| {m} | {s['tokens_per_s']:.2f} | {_f(s.get('speedup'))} | {_f(s.get('median_ratio'))} "
                          f"| {_f(s['mal'])} | {_f(s.get('bound'))} | {ident} |")
     lines += format_rounds(summary)
+    lines += format_repetition(summary)
     lines += format_agreement(summary)
     if summary.get("divergences"):
         lines += ["", "Divergences from the baseline (first differing token; target's top-2 logit margin there):",
@@ -314,6 +364,20 @@ def format_rounds(summary: dict[str, Any]) -> list[str]:
         depths = ", ".join(f"{d}: {x:.0%}" for d, x in r["depths"].items()) or "-"
         lines.append(f"| {m} | {r['lookup']:.0%} | {r['head']:.0%} | {depths} | {r['blank']:.0%} | "
                      f"{r['plain']:.0%} |")
+    return lines
+
+
+def format_repetition(summary: dict[str, Any]) -> list[str]:
+    """The repeating turns apart (``repetition_split``): shown only when some turn repeats."""
+    r = summary.get("repetition")
+    if not r or not r["repeating_turns"]:
+        return []
+    lines = ["", f"Turns whose baseline answer repeats itself (over {r['threshold']:.0%} of its tokens close a "
+                 f"{r['ngram']}-token sequence it already held: a greedy loop, which lookup copies almost for free): "
+                 f"{r['repeating_turns']} of {r['turns']}, {r['repeating_token_share']:.0%} of the baseline's tokens. "
+                 "Speed over the baseline on those turns and on the rest (tokens over seconds, summed over the turns):",
+             "", "| method | repeating turns | other turns |", "|---|---|---|"]
+    lines += [f"| {m} | {_f(x['repeating'])} | {_f(x['other'])} |" for m, x in r["speedup"].items()]
     return lines
 
 

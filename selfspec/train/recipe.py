@@ -50,6 +50,7 @@ from selfspec.train.cli import eval_draft
 from selfspec.train.deep import DeepTrainConfig, evaluate_deep, label_order, train_deep_head, vocab_label_map
 from selfspec.train.features import FeatureConfig, collect_features, load_exit_features, load_features
 from selfspec.train.sharegpt import iter_records
+from selfspec.tuning import needed_acceptance
 
 SHARES = {"answers-train": 0.22, "features-train": 0.08, "features-own-train": 0.18, "train": 0.36}
 
@@ -182,6 +183,9 @@ def _engine_eval(ss: SelfSpec, run: Run, head: str) -> dict[str, Any]:
     t = ss.tuning_result
     out["tuning"] = None if t is None else {k: getattr(t, k) for k in
                                             ("gamma", "tree_width", "threshold", "predicted_speedup", "acceptance")}
+    if t is not None:  # what a draft must reach at this machine's measured costs, beside what "after" accepted
+        out["tuning"]["acceptance_needed"] = {f"{s:g}x": None if a is None else round(a, 3)
+                                              for s, a in needed_acceptance(t).items()}
     speed: dict[str, list[float]] = {"plain": [], "selfspec": []}
     mal = []
     for p in progress(prompts, desc="default vs plain", unit="prompt"):
