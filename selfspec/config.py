@@ -168,6 +168,12 @@ class DraftConfig:
         "prior again); False leaves drafting to lookup alone and the head never runs. Measured on Spec-Bench "
         "(docs/BENCHMARKS.md, eighth session): see docs/ADAPTIVE.md.",
     )
+    lookup_only: bool = opt(
+        False,
+        "Draft by lookup alone (n-gram matches in the prompt and the text so far; the token store if set): the head "
+        "never runs, as when the calibration finds that its drafts do not pay. Needs lookup > 0. Measures what the "
+        "head adds (docs/BENCHMARKS.md, forty-first session) and gives prompt-lookup decoding on selfspec's engine.",
+    )
     tree_width: int | None = opt(
         None,
         "Token trees (selfspec/drafting/tree.py): draft this many nodes per depth, chosen by path score "

@@ -16,7 +16,7 @@ from test_engine_equality import NEW, prompt_of
 from selfspec import DraftConfig, SelfSpec
 from selfspec.costs import DraftCosts, acceptance_needed, speedup
 from selfspec.drafting.policies import ConfidencePolicy, DepthBandit, FixedPolicy, ThompsonPolicy
-from selfspec.errors import ExitLayerError, HeadMismatchError
+from selfspec.errors import ExitLayerError, HeadMismatchError, InvalidConfigError
 from selfspec.heads.io import load_head, new_head, save_head
 from selfspec.kernels.build import cpu_extension
 from selfspec.tuning import cache_path, format_tuning, load_cached
@@ -408,6 +408,22 @@ def test_when_no_early_exit_draft_pays_only_lookup_drafts_unless_exploring():
     ss.set_draft(DraftConfig(head="lm", exit_layer=1, explore=True))
     assert ss.engine.drafter.head_drafts
     assert ss.generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids == ref
+
+
+def test_lookup_only_never_runs_the_head():
+    """lookup_only: the head stays off even where the calibration would let it draft; lossless; lookup=0 refused."""
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(), DraftConfig(head="lm", exit_layer=1, gamma=2, policy="fixed"))
+    assert ss.engine.drafter.head_drafts
+    prompt = prompt_of(7, 4) * 3  # repeats: lookup has matches
+    ref = hf_greedy(ss.model, prompt, 40)
+    ss.set_draft(DraftConfig(head="lm", exit_layer=1, gamma=2, policy="fixed", lookup_only=True))
+    assert not ss.engine.drafter.head_drafts
+    out = ss.generate(prompt, max_new_tokens=40, ignore_eos=True)
+    assert out.token_ids == ref and out.stats.draft_depths == {} and out.stats.lookup_steps > 0
+    before = ss.draft_config
+    with pytest.raises(InvalidConfigError, match="lookup_only"):
+        ss.set_draft(DraftConfig(head="lm", exit_layer=1, lookup=0, lookup_only=True))
+    assert ss.draft_config == before and ss.generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids == ref
 
 
 def test_tune_command_prints_the_calibration(tmp_path, capsys):

@@ -43,6 +43,8 @@ def check(draft: DraftConfig) -> None:
         raise InvalidConfigError(f"head_context must be >= 1 (or None: every row), got {draft.head_context}")
     if draft.tree_width is not None and draft.tree_width < 0:
         raise InvalidConfigError(f"tree_width must be >= 0, got {draft.tree_width}")
+    if draft.lookup_only and draft.lookup == 0:
+        raise InvalidConfigError("lookup_only drafts by lookup alone, but lookup is 0 (off): set lookup > 0")
 
 
 def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, DraftConfig, Tuning | None]:
@@ -72,9 +74,10 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     if threshold is None:  # the calibration's confidence stop, else 0.5 (measured best for the bundled head)
         threshold = tuning.threshold if tuning is not None else 0.5
         draft = replace(draft, threshold=threshold)
-    # a calibration that found no early-exit draft paying: lookup alone, unless the user wants exploration
-    head_drafts = not (tuning is not None and tuning.gamma == 0 and draft.gamma is None and not draft.explore
-                       and draft.lookup > 0)
+    # a calibration that found no early-exit draft paying: lookup alone, unless the user wants exploration; or the
+    # user asked for lookup alone
+    head_drafts = not (draft.lookup_only or (tuning is not None and tuning.gamma == 0 and draft.gamma is None
+                                             and not draft.explore and draft.lookup > 0))
     policy, gamma, lookup_policy, streak_policy, store_policy = _policies(ss, head, draft, name, threshold, tuning,
                                                                           head_drafts)
     if head_drafts:
