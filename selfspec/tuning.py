@@ -401,8 +401,6 @@ def needed_acceptance(t: Tuning, targets: tuple[float, ...] = (1.0, 1.3, 1.6)) -
     c = t.costs_ms.get(str(t.exit_layer))
     if not c or "1" not in c.get("deep", {}):
         return {}
-    o = t.overhead_ms or {}
-    costs = DraftCosts(t.exit_layer, c["shallow"] / 1e3, c["head"] / 1e3,
-                       {int(n): v / 1e3 for n, v in c["deep"].items()},
-                       t_round=o.get("round", 0.0) / 1e3, t_per_draft=o.get("per_draft", 0.0) / 1e3)
+    costs = t.with_overhead(DraftCosts(t.exit_layer, c["shallow"] / 1e3, c["head"] / 1e3,
+                                       {int(n): v / 1e3 for n, v in c["deep"].items()}))
     return {s: acceptance_needed(costs, s, CHAIN_CAP) for s in targets}

@@ -260,12 +260,9 @@ def repetition_split(run: Run, baseline: str, qids: list[int]) -> dict[str, Any]
         return sum(c["new_tokens"][t] for c, t in cs) / secs if secs > 0 else 0.0
 
     sets = {key: [(q, t) for q, t, r, _ in turns if r == flag] for key, flag in (("repeating", True), ("other", False))}
-    speedup: dict[str, dict[str, float | None]] = {}
-    for m in run.answers:
-        speedup[m] = {}
-        for key, sel in sets.items():
-            b = tps(baseline, sel) if sel else 0.0
-            speedup[m][key] = tps(m, sel) / b if b > 0 else None
+    base_tps = {key: tps(baseline, sel) if sel else 0.0 for key, sel in sets.items()}
+    speedup = {m: {key: tps(m, sel) / base_tps[key] if base_tps[key] > 0 else None for key, sel in sets.items()}
+               for m in run.answers}
     tokens = sum(n for *_, n in turns)
     return {"ngram": REPEAT_NGRAM, "threshold": REPEAT_SHARE, "turns": len(turns), "repeating_turns": len(sets["repeating"]),
             "repeating_token_share": sum(n for *_, r, n in turns if r) / tokens if tokens else 0.0, "speedup": speedup}
