@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from selfspec import __version__
 from selfspec.api import SelfSpec
 from selfspec.bench.batching import add_parser as add_bench_batch
 from selfspec.bench.forward import add_parser as add_bench_forward
@@ -25,6 +26,7 @@ from selfspec.config import (
     config_from_args,
 )
 from selfspec.demo import add_parser as add_demo
+from selfspec.engine import validate_request
 from selfspec.errors import SelfSpecError
 from selfspec.server.cli import add_parser as add_serve
 from selfspec.train.answers import add_parser as add_answer_prompts
@@ -48,8 +50,9 @@ def _read_prompt(args: argparse.Namespace, chat: bool) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    ss = SelfSpec.load(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig))
     gen = config_from_args(args, GenerateConfig)
+    validate_request(1, gen, sys.maxsize)  # bad settings fail before the model loads; the prompt's checks come later
+    ss = SelfSpec.load(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig))
     chat = args.chat and ss.has_chat_template
     if args.chat and not chat:
         print(f"selfspec: note: '{ss.model_id}' has no chat template, sending the prompt as plain text",
@@ -146,6 +149,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="selfspec", description=__doc__)
+    p.add_argument("--version", action="version", version=f"selfspec {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)

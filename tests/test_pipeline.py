@@ -52,6 +52,7 @@ def check_lossless(pipe: Pipeline, model) -> list:
     return stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ppsd_over_two_processes_equals_transformers(arch):
     ss = exit_ss(arch)
@@ -80,6 +81,7 @@ def test_mirror_on_one_device_equals_transformers(arch):
         assert sum(st.branch_used for st in stats) > 0  # a branch opened from the target's early signal was taken
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,transport", [("ppsd", "process"), ("mirror", "thread"), ("ppsd", "thread")])
 def test_deep_context_head_in_the_pipeline(mode, transport):
     """The verdicts carry the accepted rows' final states; drafting ahead reads the head's predicted ones."""
@@ -110,6 +112,7 @@ def _third_token_tv(draw, n: int, model) -> float:
     return 0.5 * float((counts / n - exact).abs().sum())
 
 
+@pytest.mark.slow
 def test_pipelined_sampling_keeps_the_distribution(monkeypatch):
     ss = SelfSpec(tiny_model("llama"), None, DraftConfig(exit_layer=1, head="lm", gamma=2, policy="fixed"))
     gen = GenerateConfig(max_new_tokens=3, temperature=0.8, ignore_eos=True)
@@ -155,6 +158,7 @@ class DyingPipeline(Pipeline):
         return super()._verdict()
 
 
+@pytest.mark.slow
 def test_a_dead_deep_process_is_a_clear_error_not_a_hang():
     ss = exit_ss("llama")
     pipe = DyingPipeline.of(ss, PipelineConfig(gamma=1, timeout=30))
@@ -167,6 +171,7 @@ def test_a_dead_deep_process_is_a_clear_error_not_a_hang():
         assert again.generate(prompt_of(3, 8), max_new_tokens=5)[0] == hf_greedy(ss.model, prompt_of(3, 8), 5)
 
 
+@pytest.mark.slow
 def test_a_deep_process_that_cannot_start_is_a_clear_error():
     from selfspec.config import ModelConfig
     from selfspec.pipeline import ModelSource
@@ -174,8 +179,11 @@ def test_a_deep_process_that_cannot_start_is_a_clear_error():
     ss = exit_ss("llama")
     t0 = time.monotonic()
     with pytest.raises(PipelineError, match="exited while starting"):
-        Pipeline(ss.split, ss.engine.drafter, PipelineConfig(timeout=60), ModelSource(ModelConfig(model="/no/such/model")))
-    assert time.monotonic() - t0 < 45  # not the group's timeout
+        Pipeline(ss.split, ss.engine.drafter, PipelineConfig(timeout=600),
+                 ModelSource(ModelConfig(model="/no/such/model")))
+    # the child's exit ends the wait, not the group's timeout: a spawned process that imports torch takes seconds
+    # (a minute on a loaded machine), far from 600
+    assert time.monotonic() - t0 < 300
     with Pipeline.of(ss, PipelineConfig(gamma=2)) as pipe:  # the next one starts
         assert pipe.generate([3, 4], max_new_tokens=3)[0] == hf_greedy(ss.model, [3, 4], 3)
 
@@ -279,6 +287,7 @@ def test_the_server_serves_through_the_pipeline_and_survives_a_dead_stage(defaul
         ss.use_pipeline(None)
 
 
+@pytest.mark.slow
 def test_bench_pipeline_writes_rows_for_every_method(tiny_ss, tmp_path):  # noqa: F811 (the fixture)
     """``selfspec bench-pipeline`` on a tiny model: a row per method, every output equal to plain, the cost
     model beside them, the results files."""

