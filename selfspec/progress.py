@@ -47,6 +47,18 @@ def progress_enabled() -> bool:
         return False
 
 
+def announce(message: str) -> None:
+    """One line on stderr for a one-time stage (a kernel build, a model's packing, a calibration), printed
+    whether or not stderr is a terminal, so a first run that is busy for minutes says why; bars stay for
+    terminals. ``SELFSPEC_PROGRESS=0`` silences it too."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return
+    try:
+        print(f"selfspec: {message}", file=sys.stderr, flush=True)
+    except (AttributeError, ValueError, OSError):  # no stderr, or a closed one
+        pass
+
+
 def progress(iterable: Iterable[Any] | None = None, *, inner: bool = False, **kw: Any) -> tqdm:
     """A tqdm bar on stderr, disabled unless ``progress_enabled()``; ``inner``: a step of a larger
     task, its bar is cleared when done (``leave=False``). Other keywords go to tqdm."""

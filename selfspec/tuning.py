@@ -46,7 +46,7 @@ from selfspec.kernels.build import kernel_source_hash
 from selfspec.memory import trim_heap
 from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
-from selfspec.progress import progress
+from selfspec.progress import announce, progress
 
 TUNING_VERSION = 8  # 6: block costs made monotone in n (costs.monotone); 7: measured round overhead; 8: a blank round
 # of a head whose first draft and step are one call (draft_or_step) pays no round overhead (DraftCosts.blank_overhead)
@@ -278,9 +278,8 @@ def round_overhead(split: SplitModel, head: ExitHead, costs: DraftCosts, prompts
     Measured in pairs of neighbouring rounds of one decode, so that a shared machine's drift (seconds long, often
     larger than the overhead itself) hits both alike: rounds drafting 1 and 0 tokens in turn give 'round' (the
     1-draft round's cost beyond its model, less the 0-draft round's beyond a plain step), rounds of 2 and 1 in turn
-    'per_draft'. Medians over the pairs. Measured on the default model (AMD Zen 3, 2 threads, a busy host):
-    1.4-1.9 ms a round beside a ~7 ms step, which is why a one-draft round there cost 1.67 steps, not the
-    1.43 its layers and head add up to."""
+    'per_draft'. Medians over the pairs. On a small model the overhead is a sizeable part of a step, which is
+    why a drafting round costs more plain steps than its layers and head add up to."""
     base = costs.layers_only()
     pairs: dict[tuple[int, int], list[float]] = {}
     for more, fewer in ((1, 0), (2, 1)):
@@ -308,6 +307,7 @@ def calibrate(split: SplitModel, head: ExitHead, tokenizer: Any = None, new_toke
     t0 = time.perf_counter()
     depths = head_depths(head)
     widths = TREE_WIDTHS if head.supports_tree else (0,)
+    announce("calibrating the draft for this machine (once per model and head, 10-40 s)")
     prompts = calibration_prompts(tokenizer, split.vocab_size)
     costs = dict(costs or {})
     for d in depths:

@@ -33,7 +33,7 @@ def costs(draft_share: float = 0.1) -> DraftCosts:
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     """Tunings and costs in a fresh cache; the kernels loaded from the usual one first (built into an empty
-    cache they took two minutes of every suite run, and processes the later tests start built them again)."""
+    cache they take about two minutes, and every process a later test starts would build them again)."""
     cpu_extension()
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
 
@@ -438,7 +438,7 @@ def test_tune_command_prints_the_calibration(tmp_path, capsys):
 
 
 def test_block_costs_are_made_monotone_in_the_block_size(monkeypatch):
-    """A spike in a small block's timing (t(1) above t(2), as seen on a shared AMD Zen 3) is replaced by the least
+    """A spike in a small block's timing (t(1) above t(2), as a shared CPU's noise can give) is replaced by the least
     cost of a larger block, so a plain step never looks dearer than a verification block."""
     from selfspec import costs as costs_mod
 

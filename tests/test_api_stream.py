@@ -89,6 +89,7 @@ def test_cli_generate_through_the_pipeline_gives_the_same_text():
     assert "pipeline mirror over a process" in piped.stderr
 
 
+@pytest.mark.slow
 def test_textstream_decodes_a_window_and_equals_the_whole_texts_decoding(default_ss):
     """The text streamed id by id (each push decoding a few ids, not all) equals the tokenizer's decoding of all
     ids, on text whose pieces merge: accents, CJK, emoji split over several byte-level ids, spaces, newlines,
@@ -128,6 +129,7 @@ def test_textstream_window_keeps_sentencepiece_spaces():
     assert "".join(ts.push(i) for i in ids) + ts.flush() == backend.decode(ids) == "hello world! ab world hello!"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [None, ["lazy"]])
 def test_an_output_nobody_streams_decodes_once_and_gives_the_same_result(default_ss, stop):
     """``RequestOutput(incremental=False)`` (what ``generate`` uses) hands out no text until the end, then the

@@ -20,9 +20,6 @@ from pathlib import Path
 PACKAGE = "selfspec"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-# Circles allowed for now, each as its exact set of modules. They go through files being rewritten on
-# another branch (issue 27's round core); remove an entry once its circle is gone.
-ALLOWED_CIRCLES: set[frozenset[str]] = set()
 # selfspec modules imported inside a function on purpose: a Ray Serve replica builds its app in its own process; the
 # command line imports the server (FastAPI, uvicorn, Ray: ~0.5 s) only when it serves
 LAZY_INTERNAL = {("selfspec.server.ray_serve", "selfspec.api"), ("selfspec.server.ray_serve", "selfspec.server.app"),
@@ -222,14 +219,8 @@ def test_modules_found() -> None:
 
 
 def test_no_import_circles() -> None:
-    bad = [c for c in circles() if c not in ALLOWED_CIRCLES]
+    bad = circles()
     assert not bad, "import circles among selfspec modules:\n" + "\n\n".join(describe(c) for c in bad)
-
-
-def test_allowed_circles_still_exist() -> None:
-    """An allow-listed circle that is gone should leave the list (so it cannot come back unnoticed)."""
-    gone = ALLOWED_CIRCLES - set(circles())
-    assert not gone, f"these circles are gone, remove them from ALLOWED_CIRCLES: {[sorted(c) for c in gone]}"
 
 
 def test_only_main_imports_cli() -> None:
@@ -258,7 +249,7 @@ def test_function_level_imports_reported() -> None:
 
 if __name__ == "__main__":
     for c in circles():
-        print(("allowed " if c in ALLOWED_CIRCLES else "") + "circle:\n" + describe(c))
+        print("circle:\n" + describe(c))
     print("\nimports inside functions:")
     for i in function_level_imports():
         print(f"  {i.module}:{i.line} {i.function}: {i.target}")

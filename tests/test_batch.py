@@ -1,4 +1,4 @@
-"""Batched decoding (issue 13's first step): several requests of different prompt lengths step together
+"""Batched decoding: several requests of different prompt lengths step together
 through ``Engine.generate_batch`` (one ragged pass per step, each sequence over its own cache), and every
 request's output equals its own batch-1 output: transformers' greedy generate, EOS at different times, and
 seeded sampling per request."""

@@ -97,6 +97,7 @@ def collected_features(sharegpt_file, tmp_path, layers: str) -> tuple[SelfSpec, 
     return ss, feats
 
 
+@pytest.mark.slow
 def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_path):
     ss, feats = collected_features(sharegpt_file, tmp_path, "2")
     cfg = DeepTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=2, out=str(tmp_path / "h"),
@@ -133,6 +134,7 @@ def test_train_deep_learns_resumes_and_decodes_losslessly(sharegpt_file, tmp_pat
                                                   out=str(tmp_path / "x")))
 
 
+@pytest.mark.slow
 def test_train_deep_in_bfloat16_learns_and_a_time_box_fits_its_schedule(sharegpt_file, tmp_path):
     ss, feats = collected_features(sharegpt_file, tmp_path, "2")
     cfg = DeepTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=2, out=str(tmp_path / "h"),
@@ -184,6 +186,7 @@ def test_a_resumed_time_box_is_the_whole_runs_not_a_fresh_one(sharegpt_file, tmp
     assert rerun["seconds"] >= rep["seconds"] - 0.05 and rerun["eval_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_soft_labels_are_the_targets_distribution_and_train_a_head(sharegpt_file, tmp_path):
     """``--soft-weight``: the classification loss reads the target's own distribution over the draft vocabulary,
     computed from the stored final states and those LM-head rows (the full softmax's, renormalized over the rows);
@@ -224,6 +227,7 @@ def test_a_fitted_schedule_spans_the_steps_that_fit():
     assert fitted_schedule(11, 6.3, 0.0, 560) == 12  # at least one more step
 
 
+@pytest.mark.slow
 def test_deep_head_at_exit_layer_0_drafts_from_the_embeddings_losslessly(sharegpt_file, tmp_path):
     """Exit layer 0: the head reads the token embeddings (looked up from the stored ids, no stored h0) and the
     deep context, so a draft runs no target layer; it learns, fine-tunes from a head at another layer, and
@@ -251,6 +255,7 @@ def test_deep_head_at_exit_layer_0_drafts_from_the_embeddings_losslessly(sharegp
         ss.set_draft(DraftConfig(head="lm", exit_layer=0))
 
 
+@pytest.mark.slow
 def test_train_deep_with_context_layers_fine_tunes_a_head_and_decodes_losslessly(sharegpt_file, tmp_path):
     """``--context-layers``: the head reads the previous token's stored states after those layers too. Fine-tuned
     from a head without them, it starts exactly where that head was (their fuse columns start at zero), learns,
@@ -306,6 +311,7 @@ def test_answer_prompts_are_the_targets_greedy_answers_and_resume(sharegpt_file,
     assert torch.equal(both.sequence(len(one))["ids"], one.sequence(0)["ids"])
 
 
+@pytest.mark.slow
 def test_train_nested_every_depth_learns_and_decodes_losslessly(sharegpt_file, tmp_path):
     """Sorted training: every depth improves on its held-out top-1, the artifact loads at each depth and the
     engine decodes with it losslessly; resuming a finished run trains no further steps."""
@@ -331,6 +337,7 @@ def test_train_nested_every_depth_learns_and_decodes_losslessly(sharegpt_file, t
         train_nested_head(ss.split, NestedTrainConfig(features=feats.out, exit_layer=4, depths="1,2"))
 
 
+@pytest.mark.slow
 def test_train_recipe_end_to_end_resumes_and_its_head_decodes_losslessly(sharegpt_file, tmp_path):
     """train-recipe on a tiny model: every stage runs, the draft vocabulary is one of the candidates chosen by
     the measured prediction, the report has acceptance per position before and after, the head (bfloat16 on

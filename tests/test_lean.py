@@ -64,6 +64,7 @@ def test_same_names_norms_and_rotary_as_transformers(arch, tmp_path):
     assert torch.equal(lean.model.embed_tokens(ids), full.model.embed_tokens(ids))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_engine_over_the_lean_tree_is_lossless(arch, tmp_path, one_thread):
     """Plain and speculative decoding over the lean tree give transformers' greedy tokens, and the fast layers
@@ -119,9 +120,10 @@ def test_a_layer_heads_block_trains_through_transformers_layer(arch, tmp_path, o
         assert not torch.equal(head(h, pos), ref(h, pos))
 
 
+@pytest.mark.slow
 def test_loading_a_gguf_imports_no_model_code():
     """The default model from its packed cache: no transformers model code, torch._dynamo or accelerate imported
-    by a load and a generate (they cost ~130 MB resident and seconds, issue 25's memory bound)."""
+    by a load and a generate (they cost ~130 MB resident and seconds)."""
     code = """
 import sys
 from selfspec import SelfSpec

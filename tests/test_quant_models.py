@@ -177,6 +177,7 @@ def test_default_gguf_native_equals_float32_conversion(default_ss):
         assert default_ss.generate(ids, max_new_tokens=32, method="plain").token_ids == ref
 
 
+@pytest.mark.slow
 def test_bench_forward_reports_the_quantized_path(tmp_path, one_thread):
     import json
     from pathlib import Path
@@ -243,7 +244,7 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def test_packed_weights_are_held_once(tmp_path, monkeypatch, one_thread):
-    """Resident memory (issue 25): after a load, from the packed cache or when it is first written, every packed
+    """Resident memory: after a load, from the packed cache or when it is first written, every packed
     weight lies in the one buffer the cache file was read into (``mmap=True``: the file's mapped pages), and the
     fused projections the fast layers run are views of them (no second copy of any packed weight); no quantized
     module holds a dense float32 copy, even after decoding, and no KV cache is made before a request."""
@@ -274,7 +275,7 @@ def test_packed_weights_are_held_once(tmp_path, monkeypatch, one_thread):
 
 
 def test_lean_tokenizer_keeps_outputs(tmp_path):
-    """Dropping a BPE tokenizer class's Python copies of its vocabulary and merges (memory, issue 25) changes
+    """Dropping a BPE tokenizer class's Python copies of its vocabulary and merges (to save memory) changes
     nothing it encodes, decodes, templates or saves."""
     from transformers import AutoTokenizer, Qwen2Tokenizer
 

@@ -172,6 +172,7 @@ def _second_token_tv(ss: SelfSpec, method: str, n: int, seed: int) -> float:
     return 0.5 * float((counts / n - exact).abs().sum())
 
 
+@pytest.mark.slow
 def test_specee_verified_sampling_keeps_the_distribution(tmp_path):
     ss = specee_ss("llama", tmp_path, specee_threshold=0.0)  # every draft exits at layer 1: many rejections
     n = 1500

@@ -11,6 +11,8 @@ from selfspec.config import ModelConfig
 from selfspec.models.gguf import FAST_OPEN_MARK, open_tokenizer_dir, same_tokenizer
 from selfspec.models.loading import _native_key, cache_root, local_gguf
 
+pytestmark = pytest.mark.slow  # every test reads the real default model's tokenizer (default_ss made its directory)
+
 TEXTS = [
     "Hello there!",
     "  leading spaces, trailing spaces  \n\n\ttabs\tand\r\nCRLF",

@@ -28,6 +28,7 @@ def data():
     return _seqs(tiny_model("llama"), n=48)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kangaroo", "linear", "layer"])
 def test_training_lowers_heldout_kl_and_stays_lossless(kind, data, tmp_path):
     model = tiny_model("llama")

@@ -119,6 +119,7 @@ def _joint(verify, seed: int) -> float:
     return 0.5 * float((counts / ROUNDS - exact).abs().sum())
 
 
+@pytest.mark.slow
 def test_tree_sampling_keeps_the_target_distribution():
     assert _joint(tree_sample_verify, 0) < BOUND
     assert _joint(_wrong_verify, 1) > 2 * BOUND  # the test can fail

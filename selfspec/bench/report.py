@@ -168,7 +168,7 @@ def round_mix(recs: list[dict], steps: int) -> dict[str, Any] | None:
             depths[d] = depths.get(d, 0) + n
     head = sum(depths.values())
     store, proposed = sum(t.get("store", 0) for t in turns), sum(t.get("store_proposed", 0) for t in turns)
-    blank = sum(t.get("blank", 0) for t in turns)  # answers recorded before the twenty-ninth session have none
+    blank = sum(t.get("blank", 0) for t in turns)  # answer records without a 'blank' count have none
     return {"lookup": lookup / steps, "head": head / steps, "plain": max(0.0, 1.0 - (lookup + head + blank) / steps),
             "blank": blank / steps,
             "store": store / steps,

@@ -33,7 +33,7 @@ import torch
 
 import selfspec
 from selfspec.api import SelfSpec
-from selfspec.bench import llamacpp
+from selfspec.bench import llamacpp, results
 from selfspec.bench.methods import Method, resolve_methods, run_turn
 from selfspec.bench.report import (
     GROUPS,
@@ -82,6 +82,9 @@ class BenchConfig:
     divergences: bool = opt(True, "After the run, explain every answer that differs from the baseline "
                                   "(first differing token, target's top-2 logit margin): divergences.json.")
     near_tie: float = opt(1e-3, "A divergence is a near-tie when the margin <= near_tie * max(1, |top-1 logit|).")
+    results: str | None = opt(None, "After the run, keep its results file under this directory (RESULTS/<cpu>/"
+                                    "<date>-<model>-<tokens>.json, replacing the same CPU kind, model and length): "
+                                    "what `selfspec bench report RESULTS --write-docs` renders.")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,7 +191,7 @@ def answer_question(ss: SelfSpec, method: Method, q: Question, max_new_tokens: i
     """Answer every turn of a question with one method; the Spec-Bench answer record (per-turn lists). ``reuse``:
     the method's prompt cache as a server keeps it (selfspec's prefix cache holding what this method's earlier
     requests left, ``run_bench``; llama.cpp's cache_prompt, its slot's last request, answer included), so a later
-    turn reuses the earlier turns' prompt; else every turn is prefilled whole (every run before 2026-11-27).
+    turn reuses the earlier turns' prompt; else every turn is prefilled whole.
     ``kept``: each selfspec method's drafter as its earlier turns left it (``BenchConfig.keep_drafters``)."""
     c: dict[str, list] = {k: [] for k in ("turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths",
                                           "draft_tokens", "prompt_tokens", "cached_tokens", "token_ids", "specee",
@@ -239,7 +242,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 def open_manifest(run: Path, cfg: BenchConfig, model_cfg: ModelConfig | None, ss: SelfSpec,
                   methods: list[Method]) -> dict[str, Any]:
-    """Create the manifest, or check a resumed run is the same experiment and record a new session."""
+    """Create the manifest, or check a resumed run is the same experiment and record this resumption."""
     path = run / "manifest.json"
     now = time.strftime("%Y-%m-%d %H:%M:%S")
     settings = {m.name: m.settings() for m in methods}
@@ -297,10 +300,16 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
         # question's earlier turns, the chat template's opening), never another method's prompts
         held: dict[str, OrderedDict] = {m.name: OrderedDict() for m in methods}
         kept: dict[str, Any] | None = {} if cfg.keep_drafters else None  # ... and, if asked, its drafter
+        failed: dict[str, str] = {}  # peers that cannot run on this machine (a build that faults, no binary)
         if pending and cfg.warmup > 0:  # not a question's prompt: no cache then holds one
             for m in methods:
                 ss.prefix_cache.entries = held[m.name]
-                run_turn(ss, m, ss.encode([{"role": "user", "content": WARMUP_PROMPT}]), cfg.warmup, reuse, kept)
+                try:
+                    run_turn(ss, m, ss.encode([{"role": "user", "content": WARMUP_PROMPT}]), cfg.warmup, reuse, kept)
+                except llamacpp.PeerUnavailable as e:
+                    failed[m.name] = str(e)
+                    manifest["methods"][m.name]["failed"] = str(e)
+                    print(f"selfspec bench: {m.name} does not run on this machine, skipped: {e}", file=sys.stderr)
         bar = progress(pending, desc="spec-bench", unit="question", dynamic_ncols=True, total=len(chosen),
                    initial=len(chosen) - len(pending))
         for i, q in enumerate(bar):
@@ -308,9 +317,18 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
             for m in methods[k:] + methods[:k]:
                 if q.question_id in done[m.name]:
                     continue
+                if m.name in failed:
+                    continue
                 bar.set_postfix_str(f"{q.group} {q.question_id} {m.name}")
                 ss.prefix_cache.entries = held[m.name]
-                rec = answer_question(ss, m, q, cfg.max_new_tokens, reuse, kept)
+                try:
+                    rec = answer_question(ss, m, q, cfg.max_new_tokens, reuse, kept)
+                except llamacpp.PeerUnavailable as e:  # a peer that cannot run here: the others go on
+                    failed[m.name] = str(e)
+                    manifest["methods"][m.name]["failed"] = str(e)
+                    _write_json(run / "manifest.json", manifest)
+                    print(f"selfspec bench: {m.name} does not run on this machine, skipped: {e}", file=sys.stderr)
+                    continue
                 files[m.name].append(rec)
                 done[m.name][q.question_id] = rec
                 if on_answer is not None:
@@ -348,9 +366,14 @@ def report_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="selfspec bench report",
                                 description="Re-render the summary table and plot of a run from its answer files, "
                                             "or compare two runs.")
-    p.add_argument("run", help="Run directory (the --out of selfspec bench).")
+    p.add_argument("run", help="Run directory (the --out of selfspec bench), or a results directory (the --results "
+                               "of selfspec bench: RESULTS/<cpu>/*.json) to render its tables and plots.")
     p.add_argument("--compare", default=None, help="A second run directory to compare with.")
     p.add_argument("--baseline", default=None, help="Baseline method (default: the run's, usually hf).")
+    p.add_argument("--write-docs", action="store_true",
+                   help="With a results directory: fill the results blocks of README.md and docs/BENCHMARKS.md.")
+    p.add_argument("--readme", default="README.md", help="The README that --write-docs fills.")
+    p.add_argument("--benchmarks", default="docs/BENCHMARKS.md", help="The benchmarks doc that --write-docs fills.")
     return p
 
 
@@ -359,12 +382,24 @@ def cmd(args: argparse.Namespace) -> int:
     argv = list(args.rest)
     if argv[:1] == ["report"]:
         a = report_parser().parse_args(argv[1:])
+        if results.is_results_dir(a.run):
+            if a.write_docs:
+                for path in results.write_docs(a.run, a.readme, a.benchmarks):
+                    print(f"filled {path}", file=sys.stderr)
+            print(results.render(a.run))
+            return 0
+        if a.write_docs:
+            raise InvalidConfigError(f"--write-docs needs a results directory, and '{a.run}' is a run directory: "
+                                     "keep its results first (selfspec bench ... --results results)")
         print(compare_runs(a.run, a.compare, a.baseline) if a.compare else write_report(a.run, a.baseline))
         return 0
     a = run_parser().parse_args(argv)
     cfg = config_from_args(a, BenchConfig, questions=a.questions)
     print(run_bench(cfg, config_from_args(a, ModelConfig)))
     print(f"\nrun directory: {cfg.out}", file=sys.stderr)
+    if cfg.results:
+        path = results.write_results(cfg.out, cfg.results, ["selfspec", "bench", *argv])
+        print(f"results file: {path}", file=sys.stderr)
     return 0
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from selfspec.paths import cache_root
+from selfspec.progress import announce
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "quant.cpp", "ops.cpp", "step.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h")]  # part of what the build is made of (its tag), not compiled alone
@@ -77,7 +78,7 @@ def kernel_tag() -> str:
 @lru_cache(maxsize=1)
 def cpu_extension() -> Any | None:
     """selfspec's compiled CPU kernels (gemv.cpp: linear; ops.cpp: the fused decoding ops), built once per
-    source / torch / CPU into the cache (~40 s on 2 cores: the four files compile side by side, and only ops.cpp and
+    source / torch / CPU into the cache (once: the four files compile side by side, and only ops.cpp and
     step.cpp, which bind to Python, include pybind; see kernels.h), or None where they cannot be built."""
     if os.environ.get("SELFSPEC_KERNEL", "") in ("torch", "onednn"):
         return None
@@ -86,10 +87,11 @@ def cpu_extension() -> Any | None:
     built = _import_built(build / f"selfspec_cpu_{tag}.so", f"selfspec_cpu_{tag}")
     if built is not None:
         return built
-    from torch.utils import cpp_extension  # ~0.2 s and 4 MB (it imports setuptools): only to build
+    from torch.utils import cpp_extension  # it imports setuptools: only to build
 
     build.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build / "lock")
+    announce("building selfspec's CPU kernels for this CPU (once, about a minute)")
     try:
         return cpp_extension.load(
             name=f"selfspec_cpu_{tag}", sources=[str(p) for p in _SOURCES], build_directory=str(build),

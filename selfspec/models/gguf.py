@@ -30,7 +30,7 @@ from selfspec.errors import ModelNotFoundError, SelfSpecError
 from selfspec.models.lean import meta_model
 from selfspec.models.split import check_supported
 from selfspec.paths import atomic_dir, atomic_write_text
-from selfspec.progress import progress, quiet_transformers
+from selfspec.progress import announce, progress, quiet_transformers
 from selfspec.quant.formats import FLOAT_TYPES, check_type
 from selfspec.quant.store import assemble, load_packed, save_packed
 from selfspec.quant.weight import QuantWeight
@@ -75,6 +75,7 @@ def _read_gguf(path: Path, config: Any, model: nn.Module) -> tuple[dict[str, Qua
     tensors = [(names[t.name], t) for t in reader.tensors if t.name in names]
     quant: dict[str, QuantWeight] = {}
     floats: dict[str, torch.Tensor] = {}
+    announce(f"packing {path.name}'s weights into selfspec's cache (once per file)")
     with progress(total=len(tensors), desc=f"packing {path.name}", unit="tensor", inner=True) as bar:
         for hf_name, t in tensors:
             type_name = t.tensor_type.name
@@ -161,7 +162,7 @@ def open_tokenizer_dir(cache_dir: Path) -> Any:
     """A tokenizer directory this module saved, opened as transformers' fast tokenizer straight from its
     tokenizer.json (the tokenizers library parses it) with its tokenizer_config.json settings and chat template.
     ``AutoTokenizer`` builds the architecture's own class, which parses the whole vocabulary and merges in Python
-    first (Qwen2.5: 1.06 -> 0.26 s; SmolLM2: 0.44 -> 0.08 s and 8 MB less resident). The first open of a directory
+    first (slower to open, and more memory resident). The first open of a directory
     also builds ``AutoTokenizer``'s and compares the two (``same_tokenizer``); the verdict is kept in the directory
     (FAST_OPEN_MARK), and where they differ (an architecture class that adds what the generic one does not)
     ``AutoTokenizer`` opens it, now and later. Without a tokenizer.json, ``AutoTokenizer``."""
