@@ -90,7 +90,7 @@ class SelfSpec:
     def draft_costs(self, head: ExitHead, draft: DraftConfig | None = None, depth: int | None = None,
                     refresh: bool = False) -> DraftCosts:
         """Forward costs of ``head``'s draft at ``depth`` (default: its exit layer) on this machine: measured
-        once per machine, model, head, depth and kernel build (~1-2 s) and cached on disk, checked at each load
+        once per machine, model, head, depth and kernel build and cached on disk, checked at each load
         by timing one plain step (``selfspec.cost_cache``); ``refresh``: measured now."""
         return self.cost_cache.get(head, depth or head.exit_layer, refresh)
 
@@ -169,13 +169,13 @@ class SelfSpec:
         yield output.end()
 
     def scheduler(self, batch: BatchConfig | None = None) -> TextScheduler:
-        """A continuous-batching session over this model (``selfspec.batch``): ``add`` requests (token ids and a
+        """A continuous-batching scheduler over this model (``selfspec.batch``): ``add`` requests (token ids and a
         GenerateConfig) at any time, ``step_events`` until none is ``busy``; the server runs one."""
         return TextScheduler(self.engine, self.tokenizer, batch, self.eos_token_ids, self.pipeline)
 
     def use_pipeline(self, config: PipelineConfig | None = None, model_config: ModelConfig | None = None) -> Any:
         """Decode 'selfspec' requests with the pipeline (PPSD or Mirror-SD, selfspec.pipeline): ``generate``,
-        ``stream`` and ``scheduler`` sessions (the server, one pipelined request at a time). Its deep stage loads
+        ``stream`` and ``scheduler`` calls (the server, one pipelined request at a time). Its deep stage loads
         ``model_config`` (default: a copy of this model). ``None`` config: back to the sequential engine."""
 
         if self.pipeline is not None:

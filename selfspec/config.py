@@ -59,8 +59,8 @@ class ModelConfig:
     mmap: bool = opt(
         False,
         "Quantized weights: map the packed cache file (read lazily, its pages shared between processes) instead of "
-        "reading it into memory backed by 2 MB pages where the OS allows (the default: a step 5-10 percent faster, "
-        "fewer TLB misses; docs/QUANTIZED.md).",
+        "reading it into memory backed by 2 MB pages where the OS allows (the default: fewer TLB misses "
+        "while a step streams the weights; docs/QUANTIZED.md).",
     )
     device: str = opt("cpu", "torch device to run on (cpu, cuda, cuda:0, ...).")
     threads: int | None = opt(None, "torch intra-op threads (None: torch's default).")
@@ -150,29 +150,29 @@ class DraftConfig:
         "A stateful head (kangaroo, layer, deep) runs its own layer over every row it has not seen before it drafts: "
         "at first the whole prompt. At most this many of those rows (the latest) are caught up; the head never "
         "sees older ones (its attention restarts after them; the exit states it reads still carry the target's "
-        "whole context). Bounds what a short answer to a long prompt pays for its first draft (Qwen 0.5B, rag: "
-        "decoding 1.05x -> 1.34x plain at 32, docs/BENCHMARKS.md). None: every row.",
+        "whole context). Bounds what a short answer to a long prompt pays for its first draft (the catch-up grows "
+        "with the prompt, the answer may not; docs/BENCHMARKS.md). None: every row.",
     )
     price_blanks: bool = opt(
         True,
         "Thompson policies with a confidence stop: learn how often a round ends blank (the head ran and its first "
         "draft was refused: a plain step's tokens for a plain step plus the head) and price rounds with it, so a "
         "request whose drafts seldom clear the stop stops running the head (docs/ADAPTIVE.md). False: blank rounds "
-        "teach the policy nothing (before the twenty-ninth session).",
+        "teach the policy nothing.",
     )
     explore: bool = opt(
         False,
         "When the self-tuning calibration finds that no early-exit draft pays on this machine (its draft cap is "
         "0): True still lets the Thompson policy try one-token drafts whenever a draw says they may pay (EESD's "
         "exploration: each try costs a head call and a round's overhead, and each request starts from the "
-        "prior again); False leaves drafting to lookup alone and the head never runs. Measured on Spec-Bench "
-        "(docs/BENCHMARKS.md, eighth session): see docs/ADAPTIVE.md.",
+        "prior again); False leaves drafting to lookup alone and the head never runs. Results on Spec-Bench: "
+        "docs/BENCHMARKS.md, docs/ADAPTIVE.md.",
     )
     lookup_only: bool = opt(
         False,
         "Draft by lookup alone (n-gram matches in the prompt and the text so far; the token store if set): the head "
         "never runs, as when the calibration finds that its drafts do not pay. Needs lookup > 0. Measures what the "
-        "head adds (docs/BENCHMARKS.md, forty-first session) and gives prompt-lookup decoding on selfspec's engine.",
+        "head adds (docs/BENCHMARKS.md) and gives prompt-lookup decoding on selfspec's engine.",
     )
     tree_width: int | None = opt(
         None,
@@ -192,7 +192,7 @@ class DraftConfig:
     )
     tune: str = opt(
         "auto",
-        "Self-tuning (selfspec/tuning.py): 'auto' calibrates once per model, head and machine (~10-40 s, cached; "
+        "Self-tuning (selfspec/tuning.py): 'auto' calibrates once per model, head and machine (cached; "
         "`selfspec tune` shows it) and fills exit depth, tree_width, depth_policy, the draft cap and the Thompson "
         "prior where they are left at None/auto; 'refresh' calibrates again; 'off' uses the fixed defaults. "
         "Only with gamma=None (an adaptive draft).",
@@ -277,7 +277,7 @@ class PipelineConfig:
     gamma: int = opt(3, "Most draft tokens per block.")
     threads: int | None = opt(
         None, "torch intra-op threads of each stage (None: 1 per process with the process transport; with the "
-        "thread transport both stages share this process's threads, measured faster than one each).")
+        "thread transport both stages share this process's threads rather than taking one each).")
     deep_threads: int | None = opt(
         None, "Threads of the deep stage's process if it should differ from `threads` (process transport only).")
     mirror_layer: int | None = opt(

@@ -18,7 +18,7 @@ unreadable or corrupt entry are measured again (and written, atomically).
 
 The key cannot see everything (a CPU throttled or sped up, a busier or quieter machine, a kernel built with
 other flags by hand), so a load also times one plain decoding step (every layer + LM head, one token over
-CHECK_CONTEXT cached ones: ~0.1 s for the 135M model) and compares it with the same step timed when the
+CHECK_CONTEXT cached ones: short, as every load pays it) and compares it with the same step timed when the
 costs were measured: off by more than CHECK_FACTOR either way, the step is timed once more (a spike on a
 shared machine), and if it is still off, the costs are measured again. The decisions the costs feed (draft
 length, depth, tree width) depend on their ratios, which a uniformly slower or faster machine keeps, so the
@@ -45,11 +45,11 @@ from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
 
 COSTS_VERSION = 6  # bump when measure_draft_costs measures differently (context, block sizes, reps; 2: monotone;
-# 3: blocks of 3 too: on AVX2 a block of 4 costs far more than one of 3, and interpolating put t(3) 40% high;
+# 3: blocks of 3 too: on AVX2 a block of 4 costs far more than one of 3, and interpolating priced t(3) far too high;
 # 4: a deep head's fuse drafts with Q8_0 weights on quantized targets; 5: deep blocks end in the greedy argmax,
 # split.greedy_ids, the LM head's int8 screen; 6: the screen from 3 rows, not 5)
 CHECK_FACTOR = 1.5  # the load-time plain step may differ this much (either way) from the cached one
-CHECK_CONTEXT = 8  # cached tokens the check's plain step attends to (prefilled first: 32 took ~0.1 s of a Qwen2.5-0.5B load)
+CHECK_CONTEXT = 8  # cached tokens the check's plain step attends to (prefilled first, at every load: kept short)
 CHECK_REPS = 8  # timed steps (the fastest counts) ...
 CHECK_BUDGET = 0.3  # ... or fewer once this many seconds are spent (a contended machine: each step is slow)
 
@@ -126,8 +126,8 @@ def plain_step(split: SplitModel) -> float:
 def implausible_costs(costs: DraftCosts, step: float) -> bool:
     """Whether ``costs`` were timed in a busy moment (OpenMP threads waiting for time slices): their shallow pass,
     k of the L layers, dearer than CHECK_FACTOR x a whole plain step timed beside them (``step`` seconds). Such
-    costs switch drafting off, and the step check alone can pass them (measured on this CPU: a tiny model's
-    shallow pass cached at 40 ms against a 0.2 ms step)."""
+    costs switch drafting off, and the step check alone can pass them (a tiny model's shallow pass, timed in such a
+    moment, can come out far dearer than its whole plain step)."""
     return costs.t_shallow > CHECK_FACTOR * step
 
 

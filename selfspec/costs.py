@@ -19,8 +19,7 @@ engine picks the g with the best speedup, and g = 0 (plain decoding) when no g b
 overhead(g) = t_round + g * t_per_draft (0 at g = 0) is what a drafting round costs beyond its layers and head
 calls, measured by the calibration on real rounds against real plain steps (``selfspec.tuning.round_overhead``):
 the head catching up on the tokens verified since its last call, the drafts' and the verdict's Python. Left out,
-the model called a one-draft round 1.43 plain steps where the engine spent 1.67 (default model, AMD Zen 3), and
-the default drafted in groups where drafts lose (Spec-Bench qa 0.88x plain).
+the model prices a drafting round below what the engine spends on it, and drafts where drafts lose.
 """
 
 from __future__ import annotations
@@ -75,9 +74,9 @@ def time_layers(split: SplitModel, start: int, end: int, n: int, context: int, r
 def time_blocks(split: SplitModel, start: int, end: int, sizes: tuple[int, ...], context: int, reps: int = 6,
                 lm_head: bool = False, greedy: bool = False) -> dict[int, float]:
     """``time_layers`` for every block size in ``sizes``, their timings interleaved (each pass times every size
-    once): a shared machine's slow spells, seconds long, then fall on all sizes alike instead of on one
-    (measured sequentially on an AMD Zen 3, Qwen2.5-0.5B's t(4) / t(1) came out 1.6 to 2.5 from one run to the
-    next). The lower quartile per size, as ``time_call``."""
+    once): a shared machine's slow spells, seconds long, then fall on all sizes alike instead of on one (timed one
+    size after another, the ratios between sizes swing from one run to the next). The lower quartile per size, as
+    ``time_call``."""
     calls = {n: layer_call(split, start, end, n, context, lm_head, greedy) for n in sizes}
     for call in calls.values():  # warm-up
         call()
@@ -156,8 +155,7 @@ class DraftCosts:
     def for_lookup(self) -> DraftCosts:
         """The costs of lookup drafts: nothing to propose, one shallow pass over the whole block; as a
         DraftCosts whose 'deep' range is the full forward of n tokens (shallow block + deep). No round overhead:
-        a lookup round runs no head (measured on the default model: 1.22-1.38 plain steps for a one-draft block,
-        where these costs say 1.27)."""
+        a lookup round runs no head, and its real cost stays close to these."""
         full = {n: _interpolate(self.t_shallow_block or {1: self.t_shallow}, n) + t for n, t in self.t_deep.items()}
         return DraftCosts(self.exit_layer, 0.0, 0.0, full)
 
@@ -195,9 +193,8 @@ def _interpolate(table: dict[int, float], n: int) -> float:
 def monotone(table: dict[int, float]) -> dict[int, float]:
     """A block-cost table made non-decreasing in n: each entry the least cost measured for a block at least as
     large. A block of n rows does part of the work of a larger one, so a larger block measured cheaper means the
-    smaller one's timing caught a spike of the shared machine (seen on an AMD Zen 3: t(1) 44.4 ms, t(2) 37.3 ms,
-    while steps took ~27). Left high, such a t(1) makes every draft look cheap beside a plain step: the
-    calibration predicted 1.51x where 1.07x was measured."""
+    smaller one's timing caught a spike of the shared machine. Left high, such a t(1) makes every draft look
+    cheap beside a plain step, and the calibration predicts a speedup that decoding does not reach."""
     out: dict[int, float] = {}
     low = float("inf")
     for n in sorted(table, reverse=True):
@@ -257,9 +254,8 @@ def best_gamma(costs: DraftCosts, acceptance: list[float], max_gamma: int = 8) -
 def acceptance_needed(costs: DraftCosts, target: float, max_gamma: int = 8) -> float | None:
     """The least acceptance a (the same at every draft position) at which chains of some length 1..max_gamma reach
     ``target`` times plain decoding's speed at these costs (``speedup``); None when even drafts that are always right
-    do not. What a head must reach on this machine before training it further can pay: e.g. Qwen2.5-0.5B on an Intel
-    Xeon, a 27.3 ms step, blocks of 2 / 4 rows 1.00 / 1.36 steps, a head call 0.9 ms, the round overhead 2.7 ms + 1.2
-    ms a draft: 0.18 to break even, 0.51 for 1.3x, 0.69 for 1.6x (the bundled head's first position accepts ~0.33 on Spec-Bench)."""
+    do not. What a head must reach on this machine before training it further can pay (``tuning.acceptance_needed``
+    lists it per target speedup; figures in docs/ADAPTIVE.md, "What a head must reach")."""
     def best(a: float) -> float:
         return max(speedup(costs, [a], g) for g in range(1, max_gamma + 1))
 

@@ -2,14 +2,13 @@
 
 Loading a model frees much more than it keeps: a GGUF's decoded blocks, the tokenizer's parsed JSON, the
 calibration forwards' caches and activations. glibc's malloc keeps such freed pages in its arenas (they stay
-resident) unless asked to return them; ``trim_heap`` asks, at the end of those steps. Measured on the default
-model it returns 15-20 MB after a load from the packed cache and over 200 MB after a first load of
-Qwen2.5-Coder-0.5B (which decodes the GGUF).
+resident) unless asked to return them; ``trim_heap`` asks, at the end of those steps. What it returns grows
+with what the load allocated and freed: most after a first load of a GGUF (which decodes it).
 
 Python's cyclic garbage collector is the other cost a load leaves behind: importing torch and transformers and
-building a model leave ~220,000 objects it tracks, and each of its full collections walks them all (~150 ms on
-2 cores), at a moment no one chooses: measured, the second request a fresh server or scheduler served took 180-280
-ms instead of ~60. ``freeze_gc`` moves what a load leaves out of its reach (``gc.freeze``).
+building a model leave hundreds of thousands of objects it tracks, and each of its full collections walks them all,
+at a moment no one chooses: the request being served then waits for it. ``freeze_gc`` moves what a load leaves out
+of its reach (``gc.freeze``).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ def trim_heap() -> None:
 
 def freeze_gc() -> None:
     """Move every object alive now to the garbage collector's permanent generation (``gc.freeze``): later full
-    collections skip them (~150 ms each, see above, down to under 1 ms). Objects freed by reference counting go as
+    collections skip them (see above). Objects freed by reference counting go as
     before; only reference cycles among them, if they become garbage later, are never collected (a load leaves
     ~130 unreachable objects, so none is collected first). Call it once after loading, not per request."""
     gc.freeze()

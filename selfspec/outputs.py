@@ -46,7 +46,7 @@ class RequestOutput:
         self.eos = set() if config.ignore_eos else set(config.eos_token_ids or [])
         self.text = TextStream(tokenizer, config.stop)
         # ``incremental`` False (nobody reads the events' text: ``SelfSpec.generate``) and no stop string to look
-        # for: the text is decoded once at the end, not a window per token (~0.1 ms a round on Qwen2.5-0.5B, cold)
+        # for: the text is decoded once at the end, not a window per token (each run cold, after a step)
         self.lazy = not incremental and not self.text.stop
         self.stats = stats if stats is not None else GenerationStats()
         self.token_ids: list[int] = []

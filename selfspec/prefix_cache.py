@@ -1,8 +1,8 @@
 """Prompt prefix cache: the keys and values of earlier prompts, reused when a new prompt starts with one.
 
 A chat re-sends the whole conversation at every turn; an application puts the same long system prompt or
-document in front of every question. Without a cache each request prefills all of it again (Qwen2.5-0.5B:
-~2.4 ms a prompt token on 2 cores). With it a request prefills only what follows the longest prefix it shares
+document in front of every question. Without a cache each request prefills all of it again, a full forward
+per prompt token. With it a request prefills only what follows the longest prefix it shares
 with an earlier prompt, the rest copied from the cache (~25 KB a token, a memcpy).
 
 Exact, not approximate: a reused row is bit for bit the row a full prefill of the new prompt computes, so the

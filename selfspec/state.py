@@ -26,7 +26,7 @@ class SequenceState:
 
     def positions(self, start: int, n: int) -> torch.Tensor:  # [1, n]
         """Positions start .. start + n - 1 as ``# [1, n]``; the tensor also says its first position (``first``), so
-        that ``consecutive`` need not read it back (reading a tensor's values costs a few small ops, ~10-30 us each
+        that ``consecutive`` need not read it back (reading a tensor's values costs a few small ops, each slow
         right after a step has pushed the interpreter's working set out of the caches)."""
         out = torch.arange(start, start + n, device=self.cache.keys[0].device).unsqueeze(0)
         out.first = start  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """Incremental detokenization with stop strings, for streaming.
 
-Each push decodes a short window of ids, not all of them (re-decoding every id at every push made a long
-generation's detokenizing quadratic: 155 us a token at 1,000 tokens on SmolLM2's tokenizer, 5% of its step). The
+Each push decodes a short window of ids, not all of them (re-decoding every id at every push would make a long
+generation's detokenizing quadratic in its length). The
 window starts at the ids before the last text that became final (``prefix`` .. ``read``), so pieces that merge
 (byte-level BPE) and leading spaces come out as in the whole text: the new text is the window's decoding minus the
 decoding of its part before the new ids. A new id whose text is incomplete (an unfinished UTF-8 character, decoded

@@ -16,9 +16,8 @@ first), and sorts the speculative rounds by what they drafted:
 and reports each kind's rounds in plain steps of the same prompt (``steps``: a round's wall time over the plain
 method's median step on that prompt, so kinds that happen more in long prompts are not priced against short ones'
 steps; the median over the kind's rounds), the drafts it got accepted, and ``value`` = (1 + accepted) / steps:
-tokens per plain step's time (> 1: the kind pays). Measured on
-Qwen2.5-0.5B (docs/BENCHMARKS.md, twenty-first session): a refused head draft 1.10 steps, one head draft 1.37, one
-lookup draft 1.22. Batch-1 engine only (``Engine.round_log``).
+tokens per plain step's time (> 1: the kind pays; results in docs/BENCHMARKS.md). Batch-1 engine only
+(``Engine.round_log``).
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ class EarlyExitDrafter(BaseDrafter):
             finals = seq.extras["finals"] = torch.cat([finals, finals.new_zeros(end, finals.shape[1])])
         width = min(finals.shape[1], states.shape[1])  # a verdict without the context layers' states: zeros there
         finals[start + 1 : end, :width] = states[:, :width]
-        if width < finals.shape[1]:  # (no empty fill otherwise: each small op after a step costs ~20-60 us cold)
+        if width < finals.shape[1]:  # (no empty fill otherwise: each small op after a step runs cold)
             finals[start + 1 : end, width:] = 0
 
     def _deep_inputs(self, seq: SequenceState, h: torch.Tensor,

@@ -129,7 +129,7 @@ class CostAwarePolicy:
         return out
 
     def for_request(self, seed: int | None) -> CostAwarePolicy:
-        return self  # learns across requests (the default's behaviour since the cost-aware issue)
+        return self  # one policy learns across requests: its acceptance counts pool them all
 
     def max_drafts(self, gamma: int) -> int:
         self.rounds += 1
@@ -162,9 +162,9 @@ class ByMatchLength:
     """One policy per bucket of lookup match lengths (``MATCH_BOUNDS``), each made by ``make`` when first
     needed and learning on its own: a block copied after a long match is sized by what long matches did.
 
-    Measured on Spec-Bench answers before building (docs/ADAPTIVE.md, lookup by match length): the first
-    lookup draft is accepted after 51% of 2-token matches, 63% of 3, 71% of 4, 90% of 8 or more; one policy
-    for all averaged them. Not a DraftPolicy itself: the drafter asks ``of(length)`` for the block's policy."""
+    The first lookup draft is accepted far more often after a long match than after a short one (docs/ADAPTIVE.md,
+    lookup by match length); one policy for all would average them. Not a DraftPolicy itself: the drafter asks
+    ``of(length)`` for the block's policy."""
 
     def __init__(self, make: Callable[[], DraftPolicy], bounds: tuple[int, ...] = MATCH_BOUNDS) -> None:
         self.make, self.bounds = make, bounds
@@ -182,8 +182,8 @@ class ByMatchLength:
 
 
 # Prior counts (passed, blank) of the pass rate: a mean of 0.7 worth two rounds, so a request learns its own rate
-# within a few rounds (measured on Qwen2.5-0.5B's Spec-Bench answers at the tuned threshold 0.3: 0.54 of the head's
-# rounds passed on translation, 0.7-0.85 on the other groups)
+# within a few rounds (0.7: near the pass rate of the tuned threshold on most Spec-Bench groups, translation's
+# lower; docs/ADAPTIVE.md)
 PASS_PRIOR = (1.4, 0.6)
 
 
@@ -210,9 +210,9 @@ class ThompsonPolicy:
     its confidence refused it, so the round cost a plain step plus the head and emitted one token. How often
     that happens is a Beta posterior of its own (the pass rate pi, per request like the rest), and a round
     of g drafts is priced as what it is on average: pi * (its drafts' tokens and cost) + (1 - pi) * (a
-    blank round's). Without it, blank rounds taught the policy nothing: measured on Qwen2.5-0.5B's 20
-    Spec-Bench translation questions, 155 of 382 rounds were blank (1.08 plain steps each, no token gained)
-    and the default ran 0.95x plain there (docs/ADAPTIVE.md, twenty-ninth session).
+    blank round's). Without it, blank rounds teach the policy nothing: where the stop refuses most first
+    drafts (as on translation prompts), every round pays the head for no token gained and the request runs
+    slower than plain decoding (docs/ADAPTIVE.md).
 
     The policy defers to ``base`` first (the confidence stop, when that is the base), and works for
     token trees too (a tree's depth is its draft length; its per-depth acceptance is the path's).

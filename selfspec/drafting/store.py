@@ -16,10 +16,10 @@ back, alone: Match([2], 4).
 
 The index: the n-grams' 64-bit keys (``_keys``, a polynomial over the token ids, collisions ruled out by comparing
 the tokens) sorted once, with the position each n-gram ends at, so a lookup is a binary search and one vectorized
-comparison of at most CANDIDATES occurrences (~0.1 ms): 16 bytes per stored token in all (tokens, keys, positions).
+comparison of at most CANDIDATES occurrences: 16 bytes per stored token in all (tokens, keys, positions).
 Voting among the occurrences that match furthest back (REST drafts the most frequent continuations of a datastore
-too) is right more often than the earliest of them: on Spec-Bench answers of the default model the first store
-draft was accepted 37% of the time against 34% (docs/ADAPTIVE.md, "A token store").
+too) is right more often than the earliest of them: the most frequent continuation is the likelier one
+(docs/ADAPTIVE.md, "A token store").
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ _WEIGHTS_FOLLOW: ContextVar[bool] = ContextVar("selfspec_head_weights_follow", d
 @contextmanager
 def weights_follow() -> Iterator[None]:
     """Heads built inside receive every weight from a file next (``heads.io.load_head``): they skip computing
-    initial ones (a layer head's copy of the target's layer is then not dequantized: ~0.2 s for Qwen2.5-0.5B)."""
+    initial ones (a layer head's copy of the target's layer is then not dequantized only to be overwritten)."""
     token = _WEIGHTS_FOLLOW.set(True)
     try:
         yield

@@ -48,8 +48,8 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict b
 
 void raw::linear(const float* xp, int64_t M, int64_t K, const float* pp, int64_t NB, const float* bp, float* yp,
                  int64_t N, bool accumulate) {
-  // OpenMP directly: torch's own pool (libgomp, sized by torch.set_num_threads); measured faster here
-  // than at::parallel_for for these ~100-block loops.
+  // OpenMP directly: torch's own pool (libgomp, sized by torch.set_num_threads), without at::parallel_for's
+  // dispatch around it, which these ~100-block loops would pay at every call.
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < NB; ++b) {
     float res[16 * R];

@@ -1,8 +1,9 @@
 // The functions selfspec's CPU kernel files call across files (one extension: gemv.cpp, quant.cpp, ops.cpp,
 // step.cpp; ops.cpp binds them all to Python).
 #pragma once
-// Only the ATen headers the kernels use (the tensor, its factories, parallel_for): torch/extension.h costs ~30 s
-// of compiling per file that includes it, these ~3 s; the two files that bind to Python add pybind's (~7 s).
+// Only the ATen headers the kernels use (the tensor, its factories, parallel_for): torch/extension.h pulls in most of
+// torch's headers, and compiling them dominates each file that includes it; the two files that bind to Python add
+// pybind's.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
@@ -16,8 +17,8 @@ class module_;
 }
 
 // f(i) for i in [0, n): split over the threads (static schedule) when ``parallel``, else on the calling thread without
-// entering an OpenMP region: a region that an if clause keeps on one thread still costs ~0.4 us (libgomp's team start
-// and end; AMD Zen 5), and a decoding step's layer made four (its norms, rotary and silu of a few rows).
+// entering an OpenMP region: a region that an if clause keeps on one thread still pays libgomp's team start and end,
+// and a decoding step's layer would make four (its norms, rotary and silu of a few rows).
 template <typename F>
 inline void for_range(int64_t n, bool parallel, const F& f) {
   if (parallel) {
@@ -61,8 +62,8 @@ at::Tensor argmax_rows(at::Tensor x);
 
 // The same kernels on raw pointers, for step.cpp's compiled layers: no tensor is made or checked per call (the
 // tensor functions above check their arguments, then call these). A step's ~10 kernel calls a layer through the
-// tensor functions made ~6 tensors and ~30 checks and views a layer: ~12 us a layer on a random 24-layer model of
-// hidden size 128 (one thread, AMD Zen 5), half that step's time.
+// tensor functions would make several tensors and dozens of checks and views a layer, on a small model as much time
+// as the arithmetic.
 namespace raw {
 // A packed block-quantized weight (quant.cpp's layout): checked once by qweight.
 struct QWeight {

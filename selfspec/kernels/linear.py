@@ -1,10 +1,10 @@
 """Linear layers packed once for decoding, with the kernel chosen per device and dtype.
 
 A decoding step multiplies a few rows (1 token, a verification block, a draft) by every weight of
-the model, so its cost is reading the weights: memory bandwidth. Measured on this project's CPUs
-(docs/BENCHMARKS.md), torch's default ``F.linear`` reaches about a third of the read bandwidth at one
-row and oneDNN about half; selfspec's own kernel (``gemv.cpp``) streams a packed copy of each weight
-and reaches it. Paths, by device and dtype:
+the model, so its cost is reading the weights: memory bandwidth. torch's default ``F.linear`` and oneDNN
+are GEMMs built for compute-bound shapes and fall short of the read bandwidth at a few rows
+(docs/BENCHMARKS.md); selfspec's own kernel (``gemv.cpp``) streams a packed copy of each weight in the
+order it is read, so a step reads each weight once, front to back. Paths, by device and dtype:
 
     cpu float32, rows <= 16   selfspec-cpu: gemv.cpp, compiled once on first use (-O3 -march=native)
                               into the cache directory; weights packed [N/8, K, 8]
@@ -37,7 +37,7 @@ from selfspec.kernels.build import built_extension, cpu_extension
 from selfspec.quant.weight import QuantWeight
 
 MAX_GEMV_ROWS = 16  # the custom kernel's row limit (a decoding step, a verification block)
-MAX_CHUNKED_ROWS = 64  # up to here, blocks of 16 rows through the kernel beat MKL's sgemm (measured below)
+MAX_CHUNKED_ROWS = 64  # up to here, blocks of 16 rows through the kernel beat MKL's sgemm (PackedLinear.__call__)
 
 
 # The kinds of kernel call a step plan makes (``Part.kind`` in selfspec/kernels/step.cpp)
@@ -71,10 +71,10 @@ def kernel_name(device: torch.device | str, dtype: torch.dtype) -> str:
 class PackedLinear:
     """``y = x @ cat(W_i)^T + cat(b_i)`` for weights ``W_i [N_i, K]`` sharing the input ``x [..., K]``.
 
-    A weight may be a block-quantized ``QuantWeight`` (a GGUF loaded natively): then every row count runs
-    through the quantized kernel (``selfspec/kernels/quant.cpp``, 16 rows per call; at 8-16 rows it
-    multiplies faster than MKL's float32 GEMM, so prefill uses it too), consecutive weights of one type
-    fused into one call. ``out`` given and ``accumulate=True`` adds into it in place (the residual stream)."""
+    A weight may be a block-quantized ``QuantWeight`` (a GGUF loaded natively): then every row count runs through
+    the quantized kernel (``selfspec/kernels/quant.cpp``, 16 rows per call; it reads the packed blocks, a fraction
+    of float32's bytes, and beats MKL's float32 GEMM on them, so prefill uses it too), consecutive weights of one
+    type fused into one call. ``out`` given and ``accumulate=True`` adds into it in place (the residual stream)."""
 
     def __init__(self, parts: list[tuple[torch.Tensor | QuantWeight, torch.Tensor | None]]) -> None:
         ws = [w if isinstance(w, QuantWeight) else w.detach() for w, _ in parts]
@@ -175,8 +175,9 @@ class PackedLinear:
             return y.view(*lead, self.out_features) if out is None else out
         if self._packed is not None and 0 < rows <= MAX_CHUNKED_ROWS and x.dtype == torch.float32 and no_grad:
             x2, y, accumulate = self._rows(x, rows, out, accumulate)
-            # Beyond 16 rows (a batch's verification blocks), 16 rows per kernel call: every 120 linears of the
-            # default model at 32 rows took 76 ms against MKL's 115 (48 rows: 108 / 155; 96: a tie; 256: MKL wins)
+            # Beyond 16 rows (a batch's verification blocks), 16 rows per kernel call: a few passes over the
+            # packed weights still cost less than MKL's sgemm until the rows make the multiply compute-bound
+            # (MAX_CHUNKED_ROWS; past it MKL's blocking wins)
             for s in range(0, rows, MAX_GEMV_ROWS):
                 e = min(rows, s + MAX_GEMV_ROWS)
                 built_extension().linear(x2[s:e], self._packed, self._bias_arg, y[s:e], accumulate)

@@ -1,7 +1,7 @@
-// selfspec's fused CPU ops for the decoding hot loop (float32, a few rows per call). Each replaces a
-// chain of small torch ops whose per-op dispatch cost (~2-20 us each, ~60 per layer) was a quarter of
-// a decoding step (docs/BENCHMARKS.md has the profile). Same math as transformers' modules; only
-// float rounding differs (the tests compare logits with the reference path).
+// selfspec's fused CPU ops for the decoding hot loop (float32, a few rows per call). Each replaces a chain of small
+// torch ops (dozens per layer), each paying torch's per-op dispatch, which at a few rows a call weighs on a decoding
+// step as much as the arithmetic (docs/BENCHMARKS.md has the profile). Same math as transformers' modules; only float
+// rounding differs (the tests compare logits with the reference path).
 //
 // Layouts (batch B, n new tokens, hq query heads, hkv key/value heads, head_dim d):
 //   qkv    # [B, n, (hq + 2 * hkv) * d]   the fused projection's output
@@ -171,10 +171,9 @@ static void attend(const float* __restrict qp, const float* __restrict kp, const
             total[l] = 0.f;
           }
           // keys KB at a time: KB independent multiply-add chains per lane (one chain per key is
-          // latency-bound; four left the two FMA pipes half idle: a prefill's layer of Qwen2.5-0.5B's shape,
-          // 700 rows 3.5-4.7 -> 3.0 ms, 1,400 rows 13.6-14.1 -> 11.6-11.9 at 8, no better at 16; AMD Zen 5, 2
-          // threads); each key's dot is still summed over t in order, so a row's score never depends on how the
-          // keys were grouped (bit for bit the four-key results)
+          // latency-bound; fewer chains leave the two FMA pipes partly idle, more gain nothing); each key's dot
+          // is still summed over t in order, so a row's score never depends on how the keys were grouped (bit for
+          // bit the same for any KB)
           constexpr int64_t KB = 8;
           for (int64_t j0 = jlo; j0 <= jhi; j0 += KB) {
             const int64_t nk = std::min<int64_t>(KB, jhi - j0 + 1);
@@ -246,29 +245,23 @@ static void attend(const float* __restrict qp, const float* __restrict kp, const
 
 // Decoding blocks (at most DECODE_ROWS new tokens): each query row and head on its own, its keys in the vector lanes.
 // The kernel above puts the query rows of a key/value head in the lanes, so a single step's few rows (3 on
-// SmolLM2-135M, 7 on Qwen2.5-0.5B) left most lanes idle for every key and head dimension: 35-39 GFLOP/s on the
-// 135M model, whose attention over 1,024 tokens of context then cost 61 us a layer, 40% of its decoding step
-// (AMD Zen 5, 2 threads). Here a key's score is its q * k products over the head dimension in lanes, VL keys'
-// vectors summed across their lanes by one fixed tree of horizontal adds (sum_lanes), so a block of VL keys
-// comes out as one vector of scores; the softmax runs over those vectors; the weighted values accumulate with
-// the head dimension in lanes (two accumulators: even and odd keys). Blocks start at multiples of VL and a
-// row's arithmetic depends only on its own key range, so a block of n queries still gives bitwise the rows of n
-// single-query calls (what the int8 mode relies on). Prefills (more rows) keep the kernel above: every lane a
-// live row, faster there.
-// Measured (AMD Zen 5, 2 threads), one layer of SmolLM2-135M's shape (9 query heads, 3 key/value heads, d 64):
-// context 256, one row 17.0 -> 6.3 us, four rows 17.4 -> 17.9; context 1,024: 61 -> 19 and 62.6 -> 56.4 us. The
-// whole greedy step: 4.2-4.5 -> 3.4-3.6 ms at context 256, 7.3-7.4 -> 4.5-4.9 ms at 1,024.
-// Until the thirty-ninth session a work item was one (row, query head), so a key/value head's keys and values were
-// read once per query head of its group: Qwen2.5-0.5B's shape (7 query heads a key/value head) was slower so (four
-// rows 18.6 -> 28.1 us) and kept the rows-in-lanes kernel, whose single step fills 7 of 16 lanes. A work item now
-// takes a key/value head's query heads (and rows) together (attend_rows): Qwen's shape, 24 layers, one row, A/B in
-// one process on an Intel Xeon (model 207), 2 threads: context 256 0.68 -> 0.41 ms, 1,024 2.37 -> 1.22 ms; 2-4 rows
-// 0.78-0.84x; SmolLM2's shape 0.86-1.01x.
+// SmolLM2-135M, 7 on Qwen2.5-0.5B) would leave most lanes idle for every key and head dimension, where attention over a
+// long context is a large part of a small model's decoding step. Here a key's score is its q * k products over the head
+// dimension in lanes, VL keys' vectors summed across their lanes by one fixed tree of horizontal adds (sum_lanes), so a
+// block of VL keys comes out as one vector of scores; the softmax runs over those vectors; the weighted values
+// accumulate with the head dimension in lanes (two accumulators: even and odd keys). Blocks start at multiples of VL
+// and a row's arithmetic depends only on its own key range, so a block of n queries still gives bitwise the rows of n
+// single-query calls (what the int8 mode relies on). Prefills (more rows) keep the kernel above: every lane a live row,
+// the better layout there.
+// A work item takes a key/value head's query heads (and rows) together (attend_rows), so the head's keys and values
+// are read once per work item, not once per query head of its group: with one work item per (row, query head), a
+// shape like Qwen2.5-0.5B's (7 query heads a key/value head) would read each key 7 times and lose to the
+// rows-in-lanes kernel even with 9 of its 16 lanes idle.
 namespace {
 constexpr int64_t DECODE_ROWS = 16;
 // Query heads per key/value head up to which decoding blocks take this kernel (a model's choice, never a block's:
-// a block's rows and single steps must take the same one). Since the thirty-ninth session past every model this
-// project has met (Qwen2.5-0.5B: 7); attend_rows' scratch is sized per call, so the bound is not a buffer's.
+// a block's rows and single steps must take the same one). Set past every model this project has met
+// (Qwen2.5-0.5B: 7); attend_rows' scratch is sized per call, so the bound is not a buffer's.
 constexpr int64_t DECODE_GROUP = 64;
 using simd::bcast;
 using simd::fma;
@@ -583,7 +576,8 @@ at::Tensor silu_mul(at::Tensor gu) {
 
 // Each row's argmax of x [M, N] float32 -> int64 [M]: the first index of the largest value, or of the first NaN
 // when the row has one: torch.argmax's answer, in one pass of lane-wise maxima and one to find its index
-// (torch.argmax took 85 us over Qwen2.5's 151,936 logits, ~1% of a decoding step; this ~10).
+// (no torch dispatch, and the lane-wise pass keeps up with the memory over a vocabulary's logits, e.g. Qwen2.5's
+// 151,936).
 void raw::argmax_rows(const float* xp, int64_t M, int64_t N, int64_t* op) {
   for_range(M, M * N >= (int64_t{1} << 20), [&](int64_t m) {
     const float* r = xp + m * N;

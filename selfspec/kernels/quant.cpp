@@ -27,8 +27,8 @@
 // 4 << 15 | 5 << 20 | 6 << 25 (+ S's bits 0-1 << 30); a column's code is one shift (and a mask) of its word, so
 // the AVX-512 path below gets its value from a 32-entry table with one two-source permute, which reads only
 // the index's low five bits, and the int8 mode's bytes with one vpmultishiftqb. With planes the fifth bit
-// costs a mask load and a masked add per column: ~4 vector ops a column against ~2.8 (docs/QUANTIZED.md has
-// the A/B). AVX2 has neither permute, and its paths measured 0.7-0.9x (int8: 0.3-0.45x) on words, so AVX2
+// costs a mask load and a masked add per column: ~4 vector ops a column against ~2.8 (docs/QUANTIZED.md has the
+// A/B). AVX2 has neither permute, and its paths run slower on words than on planes (the int8 mode's most), so AVX2
 // builds keep planes: the layout is the build's (words5(), PACK_VERSION's layout tag in the packed cache).
 //
 // Each column's 16 weights are one vector, so a tile of MC x-rows keeps MC accumulators of 16 outputs,
@@ -59,7 +59,7 @@ using simd::vf;
 using simd::VL;
 
 constexpr int L = 16;  // output rows per block
-constexpr int MCMAX = 8;   // x-rows per tile (16 measured slower on AVX-512: 16 row pointers spill; AVX2: tile_halves)
+constexpr int MCMAX = 8;   // x-rows per tile (not 16 on AVX-512: 16 row pointers spill; AVX2: tile_halves)
 constexpr int NV = L / VL;  // vectors per block row
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
@@ -157,10 +157,9 @@ inline int64_t group_bytes(int bits, int64_t g) {
 
 // Group j + AHEAD's codes, scales (and offsets) on their way to L1 while group j is computed (past the block's last
 // group: the next block's first, which this thread computes next): one row's kernel streams them, and the hardware
-// prefetcher alone left it short of the bandwidth (A/B on a Zen 3, 2 threads, 6 groups ahead: Q8_0 at one row +13%,
-// the int8 mode's 4/5-bit codes +5-12% at 1-2 rows, the rest level). 32 groups ahead (8 KB of 4-bit codes) against
-// 6, A/B in one process on a Zen 5, 2 threads, Qwen2.5-0.5B's whole step: 1 row 11.58 -> 11.13 ms, 2 rows 12.90 ->
-// 12.37, 4 rows 16.92 -> 15.85 (16 and 64 groups in between); SmolLM2-135M 4.16 -> 4.03 ms at one row, level at 2-8.
+// prefetcher alone leaves it short of the bandwidth. 32 groups ahead (8 KB of 4-bit codes), not a few: a block of
+// several rows, whose multiply-adds take longer per byte, still waits on memory with a short distance, and 8 KB
+// stays well inside L1 (docs/QUANTIZED.md, "Prefetch distance").
 constexpr int64_t AHEAD = 32;
 template <bool OFF>
 inline void prefetch_group(const uint8_t* codes, int64_t CB, Sc sc, Sc of, int64_t j) {
@@ -214,7 +213,6 @@ inline void column_pair_weights(const uint8_t* __restrict cg, int64_t g, int k, 
 // AVX2, 3-4 x-rows: both halves' weights decoded first, then each x-row's two broadcasts feed all four of its
 // multiply-adds. Row by row inside each half (below) the compiler kept every row's broadcasts live across the halves
 // and spilled at 4 rows (8 sums): a block of 4 cost a block of 3 plus a single row. Same sums in the same order.
-// A/B on a Zen 3, 2 threads, 4 rows: Q8_0 0.82 -> 0.52 ms, Q5_0 0.53 -> 0.36, Q4_K 0.44 -> 0.34, Q6_K 0.71 -> 0.63.
 template <int BITS, int MC>
 inline void column_pair_madd(const uint8_t* __restrict cg, int64_t g, int k, const vf* s, const vf* c, vf zv,
                              const float* __restrict xj, int64_t ldx, vf (*a)[NV], vf (*b)[NV]) {
@@ -242,9 +240,8 @@ inline void column_pair_madd(const uint8_t* __restrict cg, int64_t g, int k, con
 
 // AVX2, 5-8 x-rows: one half of the block (8 output rows) at a time, so that each decoded column feeds MC rows with
 // MC accumulators live instead of 2 MC (16 registers in all). Each (row, half) sums over (j, k) in the order of the
-// one-sum tile, so the results are bit for bit those of two 4-row tiles. Measured on a Zen 3 (2 threads): 8-16 rows
-// 1.2-1.55x faster (Q8_0 84 -> 128 GFLOP/s, Q4_K 87 -> 125, Q5_0 85 -> 110, Q6_K 77 -> 90). Not inlined into run:
-// inlined, it made the compiler slow the 2-row tile by a third.
+// one-sum tile, so the results are bit for bit those of two 4-row tiles. Not inlined into run: inlined, it changes
+// how the compiler builds the 2-row tile, for the worse.
 template <int BITS, bool OFF, int MC>
 __attribute__((noinline)) void tile_halves(const float* __restrict x, int64_t ldx, int64_t G, int64_t g,
                                            const uint8_t* __restrict codes, Sc sc, Sc of, float z, float* __restrict res) {
@@ -284,7 +281,7 @@ __attribute__((noinline)) void tile_halves(const float* __restrict x, int64_t ld
 // that of a float32 dot product reassociated: for the zero-point types the products keep the weight's sign (no
 // cancellation; measured error against a float64 product 4e-8 of sum |w x|, half the decoding path's; Q8_0's LM
 // head 6e-8 at most, 1.7e-7 by its weights), for the offset types the two terms may cancel (measured in
-// docs/QUANTIZED.md). A/B on a Zen 5, 2 threads: docs/QUANTIZED.md.
+// docs/QUANTIZED.md, with the timings).
 template <int BITS, bool OFF, int MC>
 inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64_t g,
                         const uint8_t* __restrict codes, Sc sc, Sc of,
@@ -306,9 +303,8 @@ inline void tile_lookup(const float* __restrict x, int64_t ldx, int64_t G, int64
     const uint8_t* cg = codes + j * CB;
     const float* xj = x + j * g;
     // partial sums per row, so that the multiply-adds do not wait on each other, while registers last: four for 1-3
-    // rows, two for 4-7, one for 8. A/B in one process on a Zen 5 (2 threads, the whole step, 30 alternations), four
-    // instead of two at 2 rows: Qwen2.5-0.5B 0.96-0.97x, SmolLM2-135M 0.98-0.99x; two instead of one at 5 rows 0.98x /
-    // 0.95x, at 6-7 rows 0.97-1.00x; four at 4 rows 1.04x (not taken)
+    // rows, two for 4-7, one for 8: at each row count the number that times best in a whole step (four at 4 rows
+    // does not)
     constexpr int NP = MC <= 3 ? 4 : MC < 8 ? 2 : 1;
     vf p[NP][MC];
     for (int i = 0; i < NP; ++i)
@@ -767,7 +763,7 @@ void tile_i8(const int8_t* __restrict qx, const int8_t* __restrict xp, const flo
     __m512i is[2][MC];  // two independent integer sums per row (exact: their order cannot matter)
     for (int m = 0; m < MC; ++m) is[0][m] = is[1][m] = _mm512_setzero_si512();
     vu W[5], S{};  // 5-bit codes: the group's words and spare bits, read once (quad5)
-    prefetch_group<OFF>(codes, CB, sc, of, j);  // as the exact kernels (A/B, Qwen, 4 rows: 0.75 -> 0.72 of exact)
+    prefetch_group<OFF>(codes, CB, sc, of, j);  // as the exact kernels (the same stream)
     if constexpr (BITS == 5) S = words5(cg, W);
     const int gk = BITS == 5 ? 32 : (int)g;
 #pragma GCC unroll 4
@@ -1274,8 +1270,8 @@ inline Buffer aligned_floats(int64_t n) {  // 64-byte aligned: a vector load nev
 
 // x-rows packed per register tile (``pack_tiles``): a tile of R rows as [K][R], so its R broadcasts of column k are
 // R consecutive floats and the tile reads one sequential stream instead of R rows K floats apart. Unpacked (R streams
-// 3.6 KB apart through L2), the 12-row tile ran at ~200 GFLOP/s on an Intel Xeon whose two FMA ports give ~350 and
-// where MKL's GEMM reaches ~245 at a prefill's shapes. Same multiply-adds in the same order: the same bits.
+// kilobytes apart through L2), the 12-row tile waits on L2 and stays well below its two FMA ports' rate, and below
+// MKL's GEMM at a prefill's shapes. Same multiply-adds in the same order: the same bits.
 template <int R>
 inline void gemm_tile(const float* __restrict xp, const float* __restrict w, int64_t kc,
                       float* __restrict c) {  // c[R][PR] += xp[kc][R]^T @ w[kc][PR]

@@ -1,7 +1,7 @@
 // A decoding step's decoder layers in one call: the fast layers' fused path (selfspec/models/fast.py,
 // FastLayer.forward_segments for one causal sequence of at most 16 rows) run from C++, so the ~10 ops of
-// each layer pay no Python dispatch between them. Measured before this (2 threads, AMD Zen 3): the Python
-// between the kernels was 4.9 ms of a 10.9 ms step of SmolLM2-135M and 7.5 of 38 ms of Qwen2.5-0.5B.
+// each layer pay no Python dispatch between them: on a small model the Python between the kernels is a large
+// part of a step (docs/BENCHMARKS.md has the profile).
 //
 // Same ops, same order, same arguments as the Python path (rms_norm, the packed linears, rope_qkv, attention,
 // silu_mul of ops.cpp / quant.cpp / gemv.cpp), so its results are bit for bit the Python path's.
@@ -181,8 +181,8 @@ at::Tensor run_layers(const std::vector<std::shared_ptr<LayerPlan>>& plans, at::
 
 // A deep head's draft step (selfspec/heads/deep.py, ``DeepContextHead.draft_step``): ``features`` and
 // ``logits_part_of`` of a drafted token in one call, the same ops in the same order as the Python path, so its
-// results are bit for bit that path's (tested). Per call the Python path ran ~40 small ops around these kernels:
-// 0.5-0.6 ms of a 1.3 ms head call on Qwen2.5-0.5B (2 threads, AMD Zen 5).
+// results are bit for bit that path's (tested). Per call the Python path ran ~40 small ops around these kernels,
+// a large part of a head call's time.
 //   x      = rms_norm(h, norm_h) ++ rms_norm(ctx, norm_f)   # [n, 2 hidden]
 //   f^     = layers(x @ Wfuse^T)                            # [1, n, hidden], each layer appending to its cache
 //   logits = rms_norm(f^[-1], norm_out) @ Wpart^T           # [1, V'] the drafted vocabulary's rows
@@ -228,8 +228,8 @@ std::vector<at::Tensor> head_step(const HeadPlan& p, const at::Tensor& h, const 
 
 // A greedy step's tail (``SplitModel.greedy_ids`` for the rows the LM head's screen does not take): the final norm,
 // the LM head and each row's argmax in one call, bit for bit rms_norm, the packed LM head and argmax_rows. Between
-// kernels a step's Python runs with cold caches (the step has just streamed the weights through them): the same
-// three in Python took 0.4 ms of an 18.9 ms Qwen2.5-0.5B step.
+// kernels a step's Python runs with cold caches (the step has just streamed the weights through them), so the same
+// three as torch calls cost far more than their arithmetic.
 struct GreedyHead {
   at::Tensor norm;
   double eps;
@@ -267,7 +267,7 @@ int64_t greedy_next(const GreedyHead& g, const at::Tensor& h) {
 // embedding row, every decoder layer (run_layers) and the final norm, LM head and argmax (greedy_head), bit for
 // bit those calls. Around them the Python path made ~25 small torch ops (the id and position tensors, the
 // embedding row, the rotary rows, the layers' argument lists), each run with cold caches after the step's
-// weight stream: ~0.5 ms of a 16.7 ms Qwen2.5-0.5B step (2 threads, AMD Zen 5).
+// weight stream.
 struct PlainStep {
   std::vector<std::shared_ptr<LayerPlan>> layers;
   std::vector<int64_t> kinds;  // per layer: the index of its rotary table (Gemma 3: one per attention kind)
@@ -335,8 +335,8 @@ int64_t greedy_step(const PlainStep& p, int64_t token, int64_t position, const s
 // A greedy round that drafts nothing, for a drafter whose head keeps the verified tokens' states (a stateful or
 // deep-context head): greedy_step's calls, keeping the token's exit state (after layers [0, k)) for the head's
 // backlog and its last-layer state for the head's context. Bit for bit the round's Python path (the exit state
-// from layers [0, k), the rest of the layers over it, greedy_head), without its ~25 small ops: measured, such
-// rounds cost 1.06 plain steps (20 Spec-Bench translation questions, Qwen2.5-0.5B, AMD Zen 5, 2 threads).
+// from layers [0, k), the rest of the layers over it, greedy_head), without its ~25 small ops, so such a
+// round costs little more than a plain step.
 // -> (the exit state [1, 1, hidden], the final state [1, 1, hidden], the next token)
 std::tuple<at::Tensor, at::Tensor, int64_t> step_with_states(
     const PlainStep& p, int64_t k, int64_t token, int64_t position, const std::vector<at::Tensor>& cos,
@@ -363,8 +363,8 @@ std::tuple<at::Tensor, at::Tensor, int64_t> step_with_states(
 //   conf   = max softmax(z), d = ids[argmax z]                # as _Chain._pick
 //   conf >= bar: -> the draft d (the caller drafts on from h and f^)
 //   else:        layers [k, L) of h, final norm, LM head, argmax -> the target's next token (and its final state)
-// Measured before (Qwen2.5-0.5B, 20 Spec-Bench translation questions, AMD Zen 5, 2 threads): 73% of the default's
-// rounds were blank, each 1.10 plain steps where the head's kernel is ~0.05 of one; the rest was the round's Python.
+// Where most rounds are blank (the confidence stop refuses the first draft, as on translation prompts), a blank
+// round's cost beyond a plain step is mostly the round's Python, not the head's kernel: one call removes it.
 // -> ({exit state, f^ [1, n, hidden], the final state [1, 1, hidden] or an empty tensor}, drafted, token, conf)
 std::tuple<std::vector<at::Tensor>, bool, int64_t, double> draft_or_step(
     const PlainStep& p, const HeadPlan& head, int64_t k, int64_t token, int64_t position,

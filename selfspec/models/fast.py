@@ -11,10 +11,9 @@ kept for tests and comparison). Same math, fewer and cheaper ops (docs/BENCHMARK
 - keys and values written straight into the static cache, attention by SDPA with grouped-query
   heads (no repeat of the keys), masks built once per call.
 - on CPU in float32, selfspec's fused C++ ops (``selfspec/kernels/ops.cpp``): RMSNorm, rotary + cache write
-  and silu * up for any number of rows (a prefill's rows split over the threads: a 709-token prefill of the
-  0.5B model 2.99 -> 2.79 s), and causal attention over the cache for any number of queries (1.8-2.2x SDPA's
-  flash kernel on a prefill; token trees' masks go to SDPA), each one call instead of a chain of small torch
-  ops;
+  and silu * up for any number of rows (a prefill's rows split over the threads), and causal attention over
+  the cache for any number of queries (also on a prefill, in place of SDPA's flash kernel; token trees' masks
+  go to SDPA), each one call instead of a chain of small torch ops;
 - and for a causal step of one sequence, every layer of a range in one C++ call (``FastLayer.plan``,
   ``selfspec/kernels/step.cpp``): the same ops in the same order, with no Python between them.
 
@@ -167,8 +166,8 @@ class FastLayer:
               mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:  # q [b, n, hq, d] -> [b, n, hq * d]
         """Attention of ``q`` over the first ``end`` cache entries under ``mask``; ``causal``: the rows are the whole
         sequence from position 0 and the mask plain causal, so SDPA's own causal form replaces it (its CPU flash
-        kernel then skips the blocks above the diagonal: a 700-token prefill of the 0.5B model spent 380 ms in
-        attention with the mask, half the work being masked out)."""
+        kernel then skips the blocks above the diagonal, where with the mask it would compute them all and mask out
+        about half of the work)."""
         b, n, hq, d = q.shape
         a = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys[:, :, :end], values[:, :, :end], attn_mask=None if causal else mask,
@@ -224,7 +223,8 @@ class FastLayer:
         row's keys and values go into its cache, but attention, o_proj and the MLP run on the tails alone. A row's
         result is the one the whole call gives it where the kernels compute rows independently (the panels from
         PANEL_ROWS rows, the compiled attention: what the prefix cache relies on, ``selfspec.prefix_cache``); the
-        rows outside the tails keep their input. Qwen2.5-0.5B: a 700-token prompt's last layer is 4% of its prefill."""
+        rows outside the tails keep their input. On a long prompt, the last layer's attention and MLP then run on
+        a few rows instead of all of them."""
         qkv = self._qkv(h, ops)
         parts = [self._attend(qkv[:, seg.offset : seg.offset + seg.n], seg, ops, tail=t)
                  for seg, t in zip(segments, tails)]
@@ -269,9 +269,9 @@ class FastLayer:
                 assert seg.causal, "a tail of a token tree's rows"
                 return self._fused_ops().attention(q[:, n - tail :].contiguous(), seg.keys, seg.values,
                                                    seg.start + n - tail, self.window, self.scaling)
-            # Every causal block takes the fused op: measured faster than SDPA from 1 query to a prefill (Qwen 0.5B
-            # shapes, 2 threads; context 256: n=1 13 vs 25 us, n=4 29 vs 62, n=16 103 vs 128; prompts from position
-            # 0 against SDPA's causal flash kernel: 64 rows 0.09 vs 0.18 ms, 200 0.55 vs 1.20, 709 5.5 vs 10.0).
+            # Every causal block takes the fused op, from one query to a prefill: it reads the cache in place (no
+            # transposes, no mask tensor), each row's keys end at its own position, and it is one call, not SDPA's
+            # chain of ops (timings: docs/BENCHMARKS.md).
             # Its rows never depend on each other, so a verification block's attention gives bitwise the rows of
             # single steps (the int8 mode relies on it).
             if seg.causal:

@@ -1,7 +1,7 @@
 """A model tree for the fast engine without transformers' model code.
 
 Importing any transformers model (``transformers.modeling_utils``) pulls in accelerate, torch.distributed and
-torch._dynamo: +130 MB resident and ~1.5 s before a single weight is read. The fast engine never runs those
+torch._dynamo: memory and import time spent before a single weight is read. The fast engine never runs those
 modules' forwards; it reads their weights and a few attributes by name (``FastLayer``, ``SplitModel``). So a
 GGUF run natively gets this tree instead: the same attribute names and parameter names as transformers'
 model of the architecture (``model.layers.3.self_attn.q_proj`` ...), holding the same quantized modules and

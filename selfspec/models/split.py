@@ -147,9 +147,9 @@ class SplitModel:
                     kind: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
         """``rotary`` for one sequence's consecutive positions ``# [1, n]``, contiguous: rows of a table computed
         once per layer kind (the same function on positions 0, 1, ...; every row is elementwise, so it equals a
-        call's bit for bit, tested). A step's own call ran ~7 small ops with cold caches, ~0.13 ms of a 17 ms
-        Qwen2.5-0.5B step. Other positions (a tree's, a batch), or a rotary that depends on the longest position
-        seen (dynamic NTK, LongRoPE), take the call."""
+        call's bit for bit, tested). A step's own call would run ~7 small ops with cold caches. Other positions (a
+        tree's, a batch), or a rotary that depends on the longest position seen (dynamic NTK, LongRoPE), take the
+        call."""
         n = positions.shape[-1]
         first = consecutive(positions) if self._static_rope else None
         if first is None:

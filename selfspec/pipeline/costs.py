@@ -13,12 +13,11 @@ the verdict is in, while the deep stage waits:
 
     T_pipe = max(T_S', T_D) + (1 - P) T_S'       T_S' = T_S + t_head (the guess)
 
-Both emit E = (1 - a^(g + 1)) / (1 - a) tokens per round (the mean accepted length), so the speeds
-over plain decoding (t_plain per token) are E t_plain / T_seq and E t_plain / T_pipe. Worked example
-(this machine, default head: t_shallow 1.5 ms, t_head 2.6 ms, t_deep(2) 25 ms, t_plain 26 ms, a 0.3,
-g 1): T_S = 5.6, T_seq = 30.6, P = 0.09, T_pipe = max(8.2, 25) + 0.91 * 8.2 = 32.5, E = 1.3; sequential
-1.10x plain, pipelined 1.04x: the guess is rarely right, and a wrong guess puts the redraft back on
-the critical path.
+Both emit E = (1 - a^(g + 1)) / (1 - a) tokens per round (the mean accepted length), so the speeds over plain
+decoding (t_plain per token) are E t_plain / T_seq and E t_plain / T_pipe. Worked example (illustrative costs
+of a small model and its head: t_shallow 1.5 ms, t_head 2.6 ms, t_deep(2) 25 ms, t_plain 26 ms, a 0.3, g 1):
+T_S = 5.6, T_seq = 30.6, P = 0.09, T_pipe = max(8.2, 25) + 0.91 * 8.2 = 32.5, E = 1.3; sequential 1.10x plain,
+pipelined 1.04x: the guess is rarely right, and a wrong guess puts the redraft back on the critical path.
 """
 
 from __future__ import annotations

@@ -28,9 +28,8 @@ types, ...) are refused with the list above (``UnsupportedQuantError``).
 
 Q6_K's 6-bit codes q6 are kept as bytes q = q6 + 96 = (q6 - 32) + 128, Q8_0's form with groups of 16: a byte
 per weight instead of 6 bits (the packed Q6_K matrix 1.25x the size) buys a decode of one sign extension instead
-of a nibble, a permute and two bit planes. Measured on Qwen2.5-0.5B's 896 x 4864 Q6_K matrix (AMD Zen 5, 2
-threads, in one process, bitwise the same outputs): 190 -> 95 us at one x-row, 237 -> 119 at two, 248 -> 170 at
-four.
+of a nibble, a permute and two bit planes: at a few x-rows the decode, not the bytes read, bounds the kernel
+(bitwise the same outputs; docs/QUANTIZED.md).
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ def is_quantized(model: nn.Module) -> bool:
 
 def zero_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     """An ``nn.Linear`` of zeros whose values are set next (copied, or loaded from a file). Not nn.Linear's random init
-    (~0.1 s for a Qwen2.5-0.5B layer, at every head load) nor the meta device (its first use imports sympy, ~0.6 s);
-    zeros touch the memory as that init does (uninitialized Linears left 35 MB more resident, through the allocator)."""
+    (paid at every head load, for values never used) nor the meta device (its first use imports sympy); zeros touch
+    the memory as that init does (uninitialized Linears leave more resident, through the allocator)."""
     lin = nn.Linear(1, 1, bias=bias)
     lin.in_features, lin.out_features = in_features, out_features
     lin.weight = nn.Parameter(torch.zeros(out_features, in_features))

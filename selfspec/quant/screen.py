@@ -21,8 +21,8 @@ import torch
 from selfspec.kernels.build import built_extension
 from selfspec.quant.weight import LANES, QuantWeight
 
-SCREEN_MIN_ROWS = 3  # from here the screen is never slower than the exact kernel, read from memory (docs/QUANTIZED.md:
-# Qwen's LM head at 3 / 4 rows 0.79 / 0.76 of the exact kernel's time when memory is fast, 1.00 / 0.93 when slow)
+SCREEN_MIN_ROWS = 3  # from here the screen is never slower than the exact kernel, read from memory, whether memory is
+# fast or slow (docs/QUANTIZED.md)
 SCREEN_MAX_ROWS = 8  # past 8 rows the int8 kernel takes two tiles and ties the exact one (qargmax takes up to 16)
 
 
@@ -61,7 +61,7 @@ class ScreenedArgmax:
         return SCREEN_MIN_ROWS <= rows <= SCREEN_MAX_ROWS
 
     def prepare(self) -> None:
-        """Build the bound table now (~0.05 s for Qwen2.5's LM head, ~1 MB), not in the first screened verification:
+        """Build the bound table now (~1 MB for Qwen2.5's LM head), not in the first screened verification:
         that one's request would stall for it (``SelfSpec.set_draft`` calls this)."""
         if self._table is None:
             self._table = error_table(self.weight)

@@ -119,9 +119,8 @@ def in_page_buffer(t: torch.Tensor) -> bool:
 def read_pages(path: Path) -> torch.Tensor:
     """``path``'s bytes in one uint8 tensor whose memory asks the OS for 2 MB pages (madvise MADV_HUGEPAGE, before
     any page is touched): a decoding step streams every packed weight, and with 4 KB pages each step walks ~120k
-    page-table entries for Qwen2.5-0.5B; with 2 MB pages, ~250. A/B in one process on a Zen 5 (2 threads, the same
-    weights re-pointed between the two memories): a step 11.95 -> 11.11 ms, a block of 2 13.31 -> 11.92, of 4
-    17.06 -> 16.22. Where madvise is not available (not Linux) the buffer is ordinary memory."""
+    page-table entries for Qwen2.5-0.5B; with 2 MB pages, ~250, hence far fewer TLB misses (docs/QUANTIZED.md has the
+    A/B). Where madvise is not available (not Linux) the buffer is ordinary memory."""
     import ctypes
     import ctypes.util
 

