@@ -290,14 +290,18 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         running.clear()
         watcher.join(10)
-        # and polls with the server idle: a router that kept /health on one busy replica during the run (seen on a
-        # loaded 2-core machine, twice, the second time through 12 idle polls too) spreads them now, so every live
-        # replica is counted: up to 80 polls, until as many processes as replicas were asked for have answered
+        # and polls with the server idle, in bursts of concurrent requests: Ray's router sends a request to the
+        # less busy of two replicas, and on a loaded machine a replica whose queue probe answers late is passed over,
+        # so single polls can all land on one replica; a burst keeps one busy while the next goes to another. Every
+        # live replica is counted: bursts for up to 60 s, until as many processes as replicas asked for answer
         replicas = replicas_asked(cfg.serve_args)
-        for _ in range(80):
-            if len(pids - {None}) >= replicas:
-                break
-            poll()
+        deadline = time.monotonic() + 60.0
+        while len(pids - {None}) < replicas and time.monotonic() < deadline:
+            burst = [threading.Thread(target=poll) for _ in range(2 * replicas)]
+            for b in burst:
+                b.start()
+            for b in burst:
+                b.join()
             time.sleep(0.05)
         time.sleep(0.5)  # let the last cancelled jobs finish
         rss_after = rss_mb(server_pid) if server_pid else None
