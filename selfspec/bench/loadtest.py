@@ -64,6 +64,9 @@ class LoadTestConfig:
     threads: int | None = opt(1, "torch threads of the spawned server (leaves a core for the clients).")
     serve_args: str = opt("", "Extra arguments for the spawned server, e.g. '--exit-layer 20 --head lm'.")
     request_timeout: float = opt(300.0, "Seconds before one request counts as failed.")
+    ready_timeout: float = opt(600.0, "Seconds the spawned server may take to load and answer /health (Ray Serve's "
+                                      "replicas start slowly on a loaded machine); a server that exits fails at "
+                                      "once.")
     out: str = opt("runs/loadtest.json", "Where to write the results (JSON).")
 
 
@@ -96,7 +99,7 @@ class SpawnedServer:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_ready(self, timeout: float = 180.0) -> None:
+    def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -243,7 +246,7 @@ def run(cfg: LoadTestConfig, server_pid: int | None = None) -> dict[str, Any]:
     server = SpawnedServer(cfg) if cfg.url is None else None
     try:
         if server is not None:
-            server.wait_ready()
+            server.wait_ready(cfg.ready_timeout)
             server_pid = server.proc.pid
         if cfg.url is not None:
             url = cfg.url.rstrip("/")
