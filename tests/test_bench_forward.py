@@ -17,6 +17,7 @@ from selfspec.config import ModelConfig, config_from_args
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.slow
 def test_bench_forward_tiny(tmp_path: Path) -> None:
     ss = SelfSpec(tiny_model("llama"), None, DraftConfig(gamma=2))
     cfg = ForwardBenchConfig(block_sizes=[1, 2], contexts=[8], reps=1, bandwidth_mb=8,

@@ -137,6 +137,7 @@ def test_blank_rounds_are_counted_and_lossless():
     assert out.stats.blank_steps == 0 and sum(out.stats.proposed_per_position) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_default_draft_config_is_lossless(arch):
     """DraftConfig()'s defaults (self-tuned, Thompson-sampled length per round, confidence stop) and the
@@ -170,6 +171,7 @@ def test_default_draft_config_is_lossless(arch):
     assert sum(policy.proposed) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_fast_path_equals_transformers_bfloat16(arch):
     """The fast backend in bfloat16: token for token the reference backend (transformers' own modules in

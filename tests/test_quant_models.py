@@ -151,6 +151,7 @@ def test_quantize_at_load_is_cached_and_refuses_a_gguf(tmp_path, monkeypatch, on
         SelfSpec.load(ModelConfig(quantize="Q4_0"))
 
 
+@pytest.mark.slow
 def test_truncated_gguf_is_a_clear_error(tmp_path):
     from selfspec.models.loading import default_gguf_path
 

@@ -444,6 +444,7 @@ def test_a_catalog_model_is_served_under_its_short_name_too():
         st.check_model("qwen2.5-coder-7b")
 
 
+@pytest.mark.slow
 def test_openai_client_sees_typed_errors(server, client, ss):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="no-such-model", messages=MSGS)

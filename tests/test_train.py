@@ -59,6 +59,7 @@ def test_save_load_identical_logits_and_mismatch_errors(data, tmp_path):
     assert other.generate([5, 6], max_new_tokens=3).token_ids  # the failed load left the engine usable
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted_run(data, tmp_path):
     ss = SelfSpec(tiny_model("llama"), None)
     common = dict(exit_layer=2, kind="linear", rank=8, epochs=3, batch_size=4, checkpoint_every=2, seed=3)
