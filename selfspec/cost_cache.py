@@ -41,6 +41,7 @@ import torch
 from selfspec.costs import DraftCosts, measure_draft_costs, time_layers
 from selfspec.heads.base import ExitHead, head_identity, model_fingerprint
 from selfspec.kernels.build import cpu_flags, kernel_source_hash
+from selfspec.machine import cpu_info
 from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
 
@@ -56,13 +57,7 @@ CHECK_BUDGET = 0.3  # ... or fewer once this many seconds are spent (a contended
 
 @lru_cache(maxsize=1)
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_info().name or platform.processor() or platform.machine()
 
 
 def _quantization(split: SplitModel) -> list[str]:

@@ -14,7 +14,6 @@ from pathlib import Path
 # AMD family 25 (0x19) model ranges by core generation; family 26 (0x1A) is Zen 5.
 _ZEN_19 = ((0x00, 0x0F, "zen3"), (0x10, 0x1F, "zen4"), (0x20, 0x5F, "zen3"), (0x60, 0x7F, "zen4"),
            (0xA0, 0xAF, "zen4"))
-AMX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile")
 
 
@@ -32,6 +31,9 @@ class CpuInfo:
     """The model number within the family."""
     flags: frozenset[str] = field(default_factory=frozenset)
     """The instruction-set flags (avx2, avx512f, amx_tile, ...)."""
+    flags_line: str = ""
+    """The flags line exactly as read ('' where there is none): the kernel build's tag and the measured caches'
+    keys hash it, so it stays byte for byte what the kernel printed."""
 
     @property
     def kind(self) -> str:
@@ -62,6 +64,7 @@ class CpuInfo:
 def parse_cpuinfo(text: str) -> CpuInfo:
     """The first processor's fields of a /proc/cpuinfo text."""
     fields: dict[str, str] = {}
+    lines: dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip():
             if fields:
@@ -69,13 +72,14 @@ def parse_cpuinfo(text: str) -> CpuInfo:
             continue
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+        lines.setdefault(key.strip(), line)
 
     def number(key: str) -> int | None:
         v = fields.get(key, "")
         return int(v) if v.isdigit() else None
 
     return CpuInfo(fields.get("model name", ""), fields.get("vendor_id", ""), number("cpu family"), number("model"),
-                   frozenset(fields.get("flags", "").split()))
+                   frozenset(fields.get("flags", "").split()), lines.get("flags", ""))
 
 
 @functools.lru_cache(maxsize=1)

@@ -101,9 +101,11 @@ def test_render_and_write_docs_fill_only_the_marked_blocks(tmp_path, capsys):
     assert (root / "amd-zen4" / "speedup.png").exists() or list(root.glob("*/speedup.png"))
     capsys.readouterr()
     bench.write_text("no markers\n")
+    readme.write_text(f"# top\n{results.BEGIN}\nold table\n{results.END}\n")
     with pytest.raises(InvalidConfigError, match="no '<!-- results:begin -->'"):
         results.write_docs(root, readme, bench)
     assert bench.read_text() == "no markers\n"
+    assert "old table" in readme.read_text()  # neither file is written when one has no block
 
 
 def test_bad_results_files_are_clear_errors(tmp_path):

@@ -51,7 +51,6 @@ def server_binary() -> Path:
                              "or set SELFSPEC_LLAMA_SERVER to a llama-server binary")
 
 
-
 class LlamaServer:
     """One llama-server process on ``gguf`` (loopback only), started by ``start``."""
 

@@ -81,7 +81,6 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-
 class SpawnedServer:
     """``selfspec serve`` in a child process, logging beside the results (``--out`` with .server.log)."""
 

@@ -14,7 +14,6 @@ history lives in git.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import time
@@ -24,6 +23,7 @@ from typing import Any
 from selfspec.bench.report import load_run, summarize
 from selfspec.errors import InvalidConfigError
 from selfspec.machine import cpu_info
+from selfspec.paths import atomic_write_text
 
 FORMAT = "selfspec-results/1"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -92,11 +92,8 @@ def write_results(run_dir: str | Path, root: str | Path, command: list[str] | No
     and answer length (written to a temporary name first: an interrupted write leaves the old file whole)."""
     rec = record(run_dir, command)
     path = results_path(root, rec)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(rec, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
-    same = f"-{slug(rec['model'].get('model_id', ''))}-{rec['generate'].get('max_new_tokens', 0)}.json"
+    atomic_write_text(path, json.dumps(rec, indent=1, default=str) + "\n")
+    same = path.name.removeprefix(rec["date"])  # -<model>-<tokens>.json
     for old in path.parent.glob(f"*{same}"):
         if old != path and re.fullmatch(r"\d{4}-\d{2}-\d{2}" + re.escape(same), old.name):
             old.unlink()
@@ -223,8 +220,8 @@ def group_table(rec: dict[str, Any]) -> list[str]:
             s = groups[g][m]
             dec = f" ({s['decode_speedup']:.2f})" if s.get("decode_speedup") else ""
             cells.append(f"{_x(s.get('speedup'))}{dec}")
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {o['mal']:.2f} | {ident} |" if o.get("mal")
-                     else f"| {m} | " + " | ".join(cells) + f" | - | {ident} |")
+        mal = f"{o['mal']:.2f}" if o.get("mal") else "-"
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {mal} | {ident} |")
     rep = rec["summary"].get("repetition")
     if rep and rep.get("repeating_turns"):
         lines += ["", f"Turns whose baseline answer loops (over {rep['threshold']:.0%} of its tokens close a "
@@ -310,15 +307,14 @@ def replace_block(text: str, block: str, where: str) -> str:
 
 def write_docs(root: str | Path, readme: str | Path = "README.md",
                benchmarks: str | Path = "docs/BENCHMARKS.md") -> list[Path]:
-    """Fill the results blocks of the README (the main table) and docs/BENCHMARKS.md (everything) from ``root``."""
-    out = []
+    """Fill the results blocks of the README (the main table) and docs/BENCHMARKS.md (everything) from ``root``.
+    Both texts are made before either file is written: a missing block leaves both files as they were."""
+    texts = {}
     for path, full in ((Path(readme), False), (Path(benchmarks), True)):
-        text = path.read_text(encoding="utf-8")
-        new = replace_block(text, render(root, full), str(path))
-        if new != text:
-            path.write_text(new, encoding="utf-8")
-        out.append(path)
-    return out
+        texts[path] = replace_block(path.read_text(encoding="utf-8"), render(root, full), str(path))
+    for path, text in texts.items():
+        atomic_write_text(path, text)
+    return list(texts)
 
 
 __all__ = ["FORMAT", "load_results", "record", "render", "write_docs", "write_results"]

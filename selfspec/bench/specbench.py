@@ -301,15 +301,20 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
         held: dict[str, OrderedDict] = {m.name: OrderedDict() for m in methods}
         kept: dict[str, Any] | None = {} if cfg.keep_drafters else None  # ... and, if asked, its drafter
         failed: dict[str, str] = {}  # peers that cannot run on this machine (a build that faults, no binary)
+
+        def skip(m: Method, e: Exception) -> None:  # such a peer is recorded and left out; the others go on
+            failed[m.name] = str(e)
+            manifest["methods"][m.name]["failed"] = str(e)
+            _write_json(run / "manifest.json", manifest)
+            print(f"selfspec bench: {m.name} does not run on this machine, skipped: {e}", file=sys.stderr)
+
         if pending and cfg.warmup > 0:  # not a question's prompt: no cache then holds one
             for m in methods:
                 ss.prefix_cache.entries = held[m.name]
                 try:
                     run_turn(ss, m, ss.encode([{"role": "user", "content": WARMUP_PROMPT}]), cfg.warmup, reuse, kept)
                 except llamacpp.PeerUnavailable as e:
-                    failed[m.name] = str(e)
-                    manifest["methods"][m.name]["failed"] = str(e)
-                    print(f"selfspec bench: {m.name} does not run on this machine, skipped: {e}", file=sys.stderr)
+                    skip(m, e)
         bar = progress(pending, desc="spec-bench", unit="question", dynamic_ncols=True, total=len(chosen),
                    initial=len(chosen) - len(pending))
         for i, q in enumerate(bar):
@@ -323,11 +328,8 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
                 ss.prefix_cache.entries = held[m.name]
                 try:
                     rec = answer_question(ss, m, q, cfg.max_new_tokens, reuse, kept)
-                except llamacpp.PeerUnavailable as e:  # a peer that cannot run here: the others go on
-                    failed[m.name] = str(e)
-                    manifest["methods"][m.name]["failed"] = str(e)
-                    _write_json(run / "manifest.json", manifest)
-                    print(f"selfspec bench: {m.name} does not run on this machine, skipped: {e}", file=sys.stderr)
+                except llamacpp.PeerUnavailable as e:
+                    skip(m, e)
                     continue
                 files[m.name].append(rec)
                 done[m.name][q.question_id] = rec

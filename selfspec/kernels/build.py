@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from selfspec.machine import cpu_info
 from selfspec.paths import cache_root
 from selfspec.progress import announce
 
@@ -35,13 +36,7 @@ def _isa_flags() -> list[str]:
 @lru_cache(maxsize=1)
 def cpu_flags() -> str:
     """The CPU's flags line (/proc/cpuinfo), else the processor's name."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    return cpu_info().flags_line or platform.processor()
 
 
 def _clear_stale_lock(lock: Path, max_age: float = 600.0) -> None:

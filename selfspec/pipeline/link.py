@@ -56,7 +56,6 @@ class ModelSource:
         return model.eval().requires_grad_(False)
 
 
-
 def _deep_process(source: ModelSource, exit_layer: int, port: int, threads: int, backend: str, timeout: float) -> None:
     """Rank 1: the deep stage in its own process."""
     torch.set_num_threads(threads)
