@@ -147,13 +147,13 @@ class Engine:
 
     def decode_one_token(self, seq: SequenceState, gen: GenerateConfig,
                          stats: GenerationStats | None = None) -> int:
-        if gen.greedy:  # the whole step in one compiled call where it applies (split.greedy_step)
-            nxt = self.split.greedy_step(seq.pending, seq.length, seq.cache)
-            if nxt is not None:
-                return core.commit_plain(seq, nxt, stats)[0]
+        if gen.greedy:  # the whole step in one compiled call where it applies (split.step)
+            step = self.split.step(seq.pending, seq.length, seq.cache)
+            if step is not None:
+                return core.commit_plain(seq, step.token, stats)[0]
         ids = torch.tensor([[seq.pending]], dtype=torch.long, device=self.split.device)
         h = self.split.forward_all(ids, seq.positions(seq.length, 1), seq.cache)
-        if gen.greedy:  # the argmax alone (split.greedy_ids: final norm, LM head and argmax in one compiled call)
+        if gen.greedy:  # the argmax alone (split.greedy_ids: the plan's final norm, LM head and argmax)
             return core.commit_plain(seq, int(self.split.greedy_ids(h)[0, -1]), stats)[0]
         return core.commit_plain(seq, pick(self.split.logits(h)[0, -1], gen, seq.generator), stats)[0]
 
@@ -203,9 +203,9 @@ class Engine:
             return core.commit(seq, drafter, block, 0, *block.verdict, stats)
         if (gen.greedy and not block.tokens and block.exit_states is None and block.tree is None
                 and not drafter.reads_final_states):  # nothing drafted, nothing to keep: a plain step's one call
-            nxt = self.split.greedy_step(seq.pending, seq.length, seq.cache)
-            if nxt is not None:
-                return core.commit(seq, drafter, block, 0, nxt, None, stats)
+            step = self.split.step(seq.pending, seq.length, seq.cache)
+            if step is not None:
+                return core.commit(seq, drafter, block, 0, step.token, None, stats)
         r = self.ride_of(seq, block)
         h, ctx = core.through_layers(self.split, r, drafter.context_layers)
         return self.accept(seq, gen, block, h, stats, context=ctx)

@@ -392,15 +392,15 @@ def test_when_no_early_exit_draft_pays_only_lookup_drafts_unless_exploring():
         return run_layers(h, start, end, *a, **kw)
 
     split.run_layers = spy
-    steps = []  # a round with nothing drafted is a plain step's one compiled call (split.greedy_step)
-    greedy_step = split.greedy_step
-    split.greedy_step = lambda *a: steps.append(a[1]) or greedy_step(*a)
+    steps = []  # a round with nothing drafted is a plain step's one compiled call (split.step)
+    one_call = split.step
+    split.step = lambda *a, **k: steps.append(a[1]) or one_call(*a, **k)
     ss.engine.drafter.propose_chains = None  # calling it would raise
     assert not ss.engine.drafter.reads_final_states
     try:
         out = ss.generate(prompt, max_new_tokens=40, ignore_eos=True)
     finally:
-        del split.run_layers, split.greedy_step, ss.engine.drafter.propose_chains
+        del split.run_layers, split.step, ss.engine.drafter.propose_chains
     assert out.token_ids == ref and out.stats.draft_depths == {} and out.stats.lookup_steps > 0
     assert len(steps) == out.stats.steps - out.stats.lookup_steps > 0
     L = split.num_layers

@@ -84,7 +84,7 @@ def compare_one_call(split, head, k: int) -> None:
 
 def count_fronts(monkeypatch) -> dict[str, int]:
     """Counts of ``_Chain.front`` calls that drafted, that ended blank (with the verdict), and of rounds that drafted
-    nothing in one call (``step_with_states``)."""
+    nothing in one call (``SplitModel.step`` with a tap)."""
     counts = {"drafted": 0, "blank": 0, "nothing": 0}
     real = _Chain.front
 
@@ -223,8 +223,8 @@ def test_a_blank_round_with_the_one_call_pays_the_head_not_the_round_overhead():
 @pytest.mark.parametrize("arch", FRONT_ARCHS)
 @pytest.mark.parametrize("quantize", [None, "Q4_0"])
 @pytest.mark.parametrize("k", [0, 2])
-def test_step_with_states_is_the_round_in_parts_bit_for_bit(arch, quantize, k):
-    """A round that drafts nothing in one call (``SplitModel.step_with_states``): the exit state, the final state, the
+def test_a_step_with_a_tap_is_the_round_in_parts_bit_for_bit(arch, quantize, k):
+    """A round that drafts nothing in one call (``SplitModel.step`` tapping layer k): the exit state, the final state, the
     next token and every key, value and length of the cache equal the parts' (layers [0, k), then [k, L) over that
     state and ``greedy_ids``)."""
     ss, _ = trimmed(arch, k, quantize)
@@ -235,18 +235,18 @@ def test_step_with_states_is_the_round_in_parts_bit_for_bit(arch, quantize, k):
         for cache in caches:
             split.forward_all(prompt, torch.arange(6)[None], cache)
         tok, p = 11, 6
-        found = split.step_with_states(tok, p, caches[0], k)
+        found = split.step(tok, p, caches[0], taps=(k,))
         assert found is not None
         pos = torch.arange(p, p + 1)[None]
         h = split.run_layers(split.embed(torch.tensor([[tok]])), 0, k, pos, caches[1])
         final = split.run_layers(h, k, L, pos, caches[1])
-        assert torch.equal(found[0], h) and torch.equal(found[1], final)
-        assert found[2] == int(split.greedy_ids(final)[0, -1])
+        assert torch.equal(found.tapped[0], h) and torch.equal(found.final, final)
+        assert found.token == int(split.greedy_ids(final)[0, -1])
         assert caches[0].lengths == caches[1].lengths == [p + 1] * L
         for a, c in ((caches[0].keys, caches[1].keys), (caches[0].values, caches[1].values)):
             assert all(torch.equal(x[:, :, : p + 1], y[:, :, : p + 1]) for x, y in zip(a, c))
-        with pytest.raises(IndexError, match="exit layer"):
-            split.step_with_states(tok, p + 1, caches[0], L + 1)
+        with pytest.raises(IndexError, match="out of range"):
+            split.step(tok, p + 1, caches[0], taps=(L + 1,))
 
 
 class EveryOther(FixedPolicy):
@@ -263,19 +263,20 @@ class EveryOther(FixedPolicy):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("k", [0, 2])
 def test_rounds_that_draft_nothing_in_one_call_are_the_rounds_in_parts(arch, k):
-    """Greedy rounds with no draft through ``step_with_states`` give the tokens, drafts, acceptances and the head's
+    """Greedy rounds with no draft through ``step`` with a tap give the tokens, drafts, acceptances and the head's
     later drafts of the same rounds in parts (the call switched off), and transformers' greedy."""
     prompt = prompt_of(9, 11) + [5, 6, 7, 5, 6, 7, 5, 6]
     ss, _ = trimmed(arch, k)
     split = ss.split
     ref = hf_greedy(ss.model, prompt, NEW)
     runs, calls = [], []
-    real = split.step_with_states
+    real = split.step
     for one_call in (True, False):
         ss.engine.drafter.policy = EveryOther()
-        split.step_with_states = (lambda *a: calls.append(1) or real(*a)) if one_call else (lambda *a: None)
+        split.step = ((lambda *a, **kw: calls.append(1) or real(*a, **kw)) if one_call
+                      else (lambda *a, **kw: None if kw.get("taps") else real(*a, **kw)))
         out = ss.generate(prompt, max_new_tokens=NEW)
-        del split.step_with_states
+        del split.step
         assert out.token_ids == ref, one_call
         s = out.stats
         runs.append((s.proposed_per_position, s.accepted_per_position, s.accept_lengths))

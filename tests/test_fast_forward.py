@@ -64,8 +64,10 @@ def test_step_plan_is_the_fused_python_path_bit_for_bit(arch, weights, monkeypat
     plans = [layer.plan for layer in split.fast_layers]
     assert all(p is None for p in plans) if arch == "gemma3_text" else all(p is not None for p in plans)
     calls = []
-    planned = SplitModel._run_planned
-    monkeypatch.setattr(SplitModel, "_run_planned", lambda self, *a: calls.append(1) or planned(self, *a))
+    from selfspec.models.plans import StepPlans
+
+    planned, was = StepPlans.run, split.plans.planned
+    monkeypatch.setattr(StepPlans, "run", lambda self, *a: calls.append(1) or planned(self, *a))
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(2, VOCAB, (1, 60), generator=g)
     with torch.inference_mode():
@@ -73,9 +75,11 @@ def test_step_plan_is_the_fused_python_path_bit_for_bit(arch, weights, monkeypat
             a = _forward(split, ids, [1, 2, 4, 16, 3], cut)
             for layer in split.fast_layers:
                 layer.plan = None
+            split.plans.planned = False  # the per-op path
             b = _forward(split, ids, [1, 2, 4, 16, 3], cut)
             for layer, plan in zip(split.fast_layers, plans):
                 layer.plan = plan
+            split.plans.planned = was
             assert torch.equal(a, b), f"{arch} {weights} cut {cut}: max abs {(a - b).abs().max().item():.2e}"
     assert bool(calls) == (arch != "gemma3_text")
 

@@ -1,5 +1,5 @@
-"""A plain greedy step in one compiled call (``SplitModel.greedy_step``) and the rotary rows it and the other
-one-call paths read from a table (``SplitModel.rotary_rows``): bit for bit the step in parts."""
+"""A plain greedy step in one compiled call (``SplitModel.step``, the plan of models/plans.py) and the rotary rows it
+and the other one-call paths read from a table (``SplitModel.rotary_rows``): bit for bit the step in parts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from conftest import ARCHS, tiny_model
 from torch import nn
 
 from selfspec import SelfSpec
-from selfspec.models.split import ROTARY_TABLE_MIN, static_rope
+from selfspec.models.rotary import ROTARY_TABLE_MIN, static_rope
 from selfspec.quant.convert import quantize_model
 
 
@@ -32,7 +32,7 @@ def test_rotary_rows_are_the_rotary_call_bit_for_bit(arch):
             want = split.rotary(h, pos, kind)
             got = split.rotary_rows(h, pos, kind)
             assert all(torch.equal(a, b) and b.is_contiguous() for a, b in zip(want, got)), (kind, start, n)
-        assert split._rotary_tables[(kind, torch.float32)][0].shape[1] >= 3 * ROTARY_TABLE_MIN + 2
+        assert split.rotary_tables._tables[(kind, torch.float32)][0].shape[1] >= 3 * ROTARY_TABLE_MIN + 2
         tree = torch.tensor([[9, 10, 10, 11]])  # not consecutive: the call
         batch = torch.randint(0, 50, (2, 3), generator=g)
         for pos in (tree, batch):
@@ -45,7 +45,7 @@ def test_a_sequences_positions_say_their_first_and_reserving_every_layer_at_once
     (the same answer as reading them); ``KVCache.reserve_all`` gives each layer's old length and grows a full
     layer's buffers as ``reserve`` does, layer by layer."""
     from selfspec.models.cache import KVCache
-    from selfspec.models.split import consecutive
+    from selfspec.models.rotary import consecutive
     from selfspec.state import SequenceState
 
     seq = SequenceState(KVCache(3, 2, 4, 8, torch.float32))
@@ -74,8 +74,8 @@ def test_a_rotary_that_depends_on_the_longest_position_takes_no_table():
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("quantize", [None, "Q4_0"])
-def test_greedy_step_is_the_step_in_parts_bit_for_bit(arch, quantize, one_thread):
-    """``greedy_step`` gives the token ``greedy_ids(forward_all(...))`` gives and writes the same keys and values,
+def test_one_call_step_is_the_step_in_parts_bit_for_bit(arch, quantize, one_thread):
+    """``step`` gives the token ``greedy_ids(forward_all(...))`` gives and writes the same keys and values,
     step after step; it declines (None, nothing done) for Gemma 3 (a scaled embedding, sandwich norms) and for a
     batched cache, and a token out of range is an error that leaves the cache as it was."""
     split = split_of(arch, quantize)
@@ -86,10 +86,10 @@ def test_greedy_step_is_the_step_in_parts_bit_for_bit(arch, quantize, one_thread
             h = split.forward_all(prompt, torch.arange(5)[None], cache)
         tok = int(split.greedy_ids(h)[0, -1])
         if arch == "gemma3_text":
-            assert split.greedy_step(tok, 5, fused) is None and fused.lengths == ref.lengths
+            assert split.step(tok, 5, fused) is None and fused.lengths == ref.lengths
             return
         for pos in range(5, 15):
-            got = split.greedy_step(tok, pos, fused)
+            got = split.step(tok, pos, fused).token
             want = int(split.greedy_ids(split.forward_all(torch.tensor([[tok]]), torch.arange(pos, pos + 1)[None],
                                                           ref))[0, -1])
             assert got == want, pos
@@ -99,21 +99,21 @@ def test_greedy_step_is_the_step_in_parts_bit_for_bit(arch, quantize, one_thread
             tok = got
         lengths = list(fused.lengths)
         with pytest.raises(IndexError, match="out of range"):
-            split.greedy_step(split.vocab_size, 15, fused)
+            split.step(split.vocab_size, 15, fused)
         assert fused.lengths == lengths
-        assert split.greedy_step(tok, 0, split.new_cache(8, batch=2)) is None
+        assert split.step(tok, 0, split.new_cache(8, batch=2)) is None
 
 
 def test_plain_greedy_decoding_takes_the_one_call(one_thread):
-    """The engine's plain greedy step runs through ``greedy_step`` (one call per token) and its output is
+    """The engine's plain greedy step runs through ``step`` (one call per token) and its output is
     transformers' greedy."""
     from conftest import hf_greedy
 
     model = quantize_model(tiny_model("qwen2"), "Q8_0")
     ss = SelfSpec(model, None)
     calls = []
-    real = ss.split.greedy_step
-    ss.split.greedy_step = lambda *a: calls.append(a[1]) or real(*a)
+    real = ss.split.step
+    ss.split.step = lambda *a, **k: calls.append(a[1]) or real(*a, **k)
     prompt = [3, 17, 5, 42, 8, 11]
     out = ss.generate(prompt, max_new_tokens=12, method="plain").token_ids
     assert out == hf_greedy(model, prompt, 12)

@@ -4,8 +4,6 @@ a GGUF loaded natively is the float32 conversion's model token for token; bad fi
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -316,21 +314,19 @@ def test_greedy_ids_are_the_logits_argmax(one_thread):
 
 @pytest.mark.parametrize("quantize", [None, "Q5_0"])
 def test_a_greedy_step_takes_the_final_norm_lm_head_and_argmax_in_one_call(one_thread, quantize):
-    """For the rows the screen does not take, ``greedy_ids`` is one compiled call (``greedy_head``: the final norm,
+    """For the rows the screen does not take, ``greedy_ids`` is one compiled call (the plan's argmax: the final norm,
     the LM head, the argmax), and its ids are the logits' argmax bit for bit, 1-16 rows; the final norm is the
     compiled RMSNorm every fast layer uses. Past 16 rows, or without the compiled call, the unfused path."""
     model = tiny_model("qwen2") if quantize is None else quantize_model(tiny_model("qwen2"), quantize)
     split = SelfSpec(model, None).split
     ops = split.fast_layers[0].ops
-    fused = split._greedy_head()
-    assert fused is not None
+    assert split.plans is not None and split.plans.has_head
     calls: list[int] = []
-    real = ops.greedy_head
-    spy = SimpleNamespace(greedy_head=lambda plan, h: calls.append(h.shape[0]) or real(plan, h))
-    split._greedy = ((spy, fused[1]),)
+    real = split.plans.argmax
+    split.lm.plan_argmax = lambda h: calls.append(h.shape[0]) or real(h)
     h = torch.randn(1, 20, split.hidden_size, generator=torch.Generator().manual_seed(1)) * 3
     with torch.inference_mode():
-        norm = split._fast_norm
+        norm = split.lm.fast_norm
         assert torch.equal(split.final_norm(h), ops.rms_norm(h, norm.weight, norm.eps))
         for rows in (1, 2, 5, 16, 20):
             assert torch.equal(split.greedy_ids(h[:, :rows]), split.logits(h[:, :rows]).argmax(-1)), rows

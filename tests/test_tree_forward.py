@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_model
 
-from selfspec.models.split import SplitModel, TreeAttention
+from selfspec.models.masks import TreeAttention
+from selfspec.models.split import SplitModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

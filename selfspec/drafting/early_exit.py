@@ -448,7 +448,7 @@ class _Chain:
 
     def front(self) -> None:
         """A greedy round that drafts nothing (``max_drafts`` 0) for a head that keeps states: the pending token's
-        plain step in one compiled call keeping its exit and final states (``SplitModel.step_with_states``), its
+        plain step in one compiled call keeping its exit and final states (``SplitModel.step`` with a tap at the exit layer), its
         verdict kept for the round. Else the chain's first draft in one compiled call with the deep head
         (``DeepContextHead.draft_or_step``),
         when the chain is greedy and its policy's first decision is a confidence bar (``first_bar``): the
@@ -461,10 +461,10 @@ class _Chain:
             return
         if self.max_drafts < 1:  # nothing drafted: the plain step in one call, its states kept for the head
             if d.reads_final_states and not d.context_layers:  # (fused features: wider states than the call's)
-                found = d.split.step_with_states(self.tok, self.p, seq.cache, self.k)
+                found = d.split.step(self.tok, self.p, seq.cache, taps=(self.k,))
                 if found is not None:
-                    self.states.append(found[0])
-                    self.done, self.verdict = True, (found[2], found[1])
+                    self.states.append(found.tapped[0])
+                    self.done, self.verdict = True, (found.token, found.final)
             return
         if not head.needs_context:
             return

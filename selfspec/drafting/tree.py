@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec.models.split import TreeAttention
+from selfspec.models.masks import TreeAttention
 
 
 @dataclass

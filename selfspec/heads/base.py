@@ -29,7 +29,8 @@ from torch import nn
 from selfspec.errors import HeadMismatchError
 from selfspec.kernels.linear import PackedLinear, pack_linear
 from selfspec.models.cache import KVCache
-from selfspec.models.split import SplitModel, TreeAttention
+from selfspec.models.masks import TreeAttention
+from selfspec.models.split import SplitModel
 from selfspec.quant.convert import quantize_weight
 from selfspec.quant.modules import QuantLinear
 

@@ -43,7 +43,8 @@ from selfspec.heads.layer import DecoderLayerHead
 from selfspec.kernels.build import cpu_extension
 from selfspec.kernels.linear import MAX_GEMV_ROWS
 from selfspec.models.cache import KVCache
-from selfspec.models.split import SplitModel, TreeAttention
+from selfspec.models.masks import TreeAttention
+from selfspec.models.split import SplitModel
 
 
 class DeepContextHead(DecoderLayerHead):
@@ -123,16 +124,16 @@ class DeepContextHead(DecoderLayerHead):
         cos, sin = self.split.rotary_rows(h, positions, self._kind)
         layers = range(self.head_layers)
         starts = [state.reserve(i, n) for i in layers]  # first: reserving may grow (reallocate) a layer's buffers
-        f_hat, logits = ops.head_step(plan, h.contiguous(), context.contiguous(), [cos for _ in layers],
-                                      [sin for _ in layers], [state.keys[i] for i in layers],
-                                      [state.values[i] for i in layers], starts)
+        f_hat, logits = ops.head_step(plan, h.contiguous(), context.contiguous(), cos, sin,
+                                      [state.keys[i] for i in layers], [state.values[i] for i in layers], starts)
         return f_hat, logits[0], self.vocab_ids
 
     def front_ready(self, rows: int) -> bool:
         """Whether ``draft_or_step`` applies to a first draft over ``rows`` rows (the backlog and the pending token's):
-        both compiled plans exist (the head's, ``draft_step``'s; the target's, ``SplitModel.greedy_step``'s), the
+        both compiled plans exist (the head's, ``draft_step``'s; the target's, ``StepPlans.step``'s), the
         rows fit one call, nothing is being trained. Checked before the drafter takes the backlog."""
-        return self._fits(rows) and self._head_plan() is not None and self.split._plain_step() is not None
+        plans = self.split.plans
+        return self._fits(rows) and self._head_plan() is not None and plans is not None and plans.steps
 
     def _fits(self, rows: int) -> bool:
         """``front_ready``'s checks other than the plans: the rows fit one call, no gradients, float32."""
@@ -148,7 +149,8 @@ class DeepContextHead(DecoderLayerHead):
         Python path (``_Chain``) and the verification of one row. None (nothing done) where ``front_ready`` is not."""
         n = backlog.shape[1] + 1
         plan = self._head_plan() if self._fits(n) and context.shape == (1, n, self.split.hidden_size) else None
-        step = self.split.step_args(token, position, cache) if plan is not None else None  # None: nothing reserved
+        plans = self.split.plans
+        step = plans.step_args(token, position, cache) if plan is not None and plans is not None else None
         if plan is None or step is None:
             return None
         ops, head_plan = plan
@@ -157,7 +159,7 @@ class DeepContextHead(DecoderLayerHead):
         starts = [state.reserve(i, n) for i in layers]
         (exit_state, f_hat, final), drafted, tok, conf = ops.draft_or_step(
             step[1], head_plan, exit_layer, token, position, *step[2:], backlog.contiguous(), context.contiguous(),
-            [cos for _ in layers], [sin for _ in layers], [state.keys[i] for i in layers],
+            cos, sin, [state.keys[i] for i in layers],
             [state.values[i] for i in layers], starts, self.vocab_ids, bar)
         if drafted:  # only layers [0, exit_layer) took the token: the others' reserved entries are given back
             for i in range(exit_layer, self.split.num_layers):

@@ -18,7 +18,8 @@ from torch import nn
 from selfspec.heads.base import CachedHead
 from selfspec.kernels.build import cpu_extension
 from selfspec.models.cache import KVCache
-from selfspec.models.split import SplitModel, causal_mask
+from selfspec.models.masks import causal_mask
+from selfspec.models.split import SplitModel
 
 
 class RMSNorm(nn.Module):

@@ -23,7 +23,8 @@ from selfspec.heads.kangaroo import RMSNorm
 from selfspec.kernels.linear import MAX_GEMV_ROWS, PackedLinear
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Rotary, Segment
-from selfspec.models.split import SplitModel, TreeAttention, block_mask, causal_mask
+from selfspec.models.masks import TreeAttention, block_mask, causal_mask
+from selfspec.models.split import SplitModel
 from selfspec.quant.modules import dequantized_copy
 
 OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "dense")  # a decoder layer's writes into the residual stream

@@ -165,18 +165,126 @@ Linear make_linear(std::vector<Part> parts, int64_t out_features) {
   return Linear{std::move(parts), out_features};
 }
 
-// Layers [0, plans) on h, each with its rotary tables, cache buffers and cache length.
-at::Tensor run_layers(const std::vector<std::shared_ptr<LayerPlan>>& plans, at::Tensor h,
-                         const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                         const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                         const std::vector<int64_t>& starts) {
-  const size_t L = plans.size();
-  TORCH_CHECK(cos.size() == L && sin.size() == L && keys.size() == L && values.size() == L && starts.size() == L,
-              "one rotary table, cache buffer and start per layer");
-  TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == at::kFloat, "h: [B, n, hidden] float32");
-  TORCH_CHECK(h.size(0) * h.size(1) <= 16, "a decoding step of at most 16 rows, got ", h.size(0) * h.size(1));
-  for (size_t i = 0; i < L; ++i) plans[i]->forward(h, cos[i], sin[i], keys[i], values[i], starts[i]);
+// The final norm, the LM head and each row's argmax: a greedy step's tail (``SplitModel.greedy_ids`` for the rows
+// the LM head's screen does not take), bit for bit rms_norm, the packed LM head and argmax_rows. Between kernels a
+// step's Python runs with cold caches (the step has just streamed the weights through them), so the same three as
+// torch calls cost far more than their arithmetic.
+struct ArgmaxHead {
+  at::Tensor norm;
+  double eps;
+  Linear lm;
+};
+
+// ids [rows] of h [rows, hidden] float32 contiguous, the norm's rows and the logits in this thread's scratch.
+void argmax_ids(const ArgmaxHead& g, const float* h, int64_t rows, int64_t* ids) {
+  const int64_t hidden = g.norm.numel(), V = g.lm.out_features;
+  float* x = scratch(padded(rows * hidden) + rows * V);
+  float* logits = x + padded(rows * hidden);
+  raw::rms_norm(h, g.norm.data_ptr<float>(), x, rows, hidden, g.eps);
+  g.lm.apply(x, rows, logits, V, false);
+  raw::argmax_rows(logits, rows, V, ids);
+}
+
+// The one compiled plan of a causal step (selfspec/models/plans.py, ``StepPlans``): a range of decoder layers (a
+// model's, a head's block, or one layer), optionally fed by an embedding lookup and followed by the final norm, LM
+// head and argmax. Every compiled step is a call of it: a plain greedy step (the token's embedding row, every layer,
+// the argmax), a round that drafts nothing keeping the exit state (a tap), a draft's or a verification block's
+// layers, the argmax of a block's rows (no layers), one fast layer, a head's block.
+struct StepPlan {
+  std::vector<std::shared_ptr<LayerPlan>> layers;
+  std::vector<int64_t> kinds;  // per layer: the index of its rotary table (Gemma 3: one per attention kind)
+  int64_t embed_kind;          // -1: none (rows come in as states), 0: block-quantized rows, 2: a float32 table
+  at::Tensor codes, scales, offsets;  // embed_kind 2: codes is the table [vocab, hidden], the others unused
+  int64_t bits, group;
+  double z;
+  int64_t vocab;
+  std::shared_ptr<ArgmaxHead> head;  // null: no argmax
+  int64_t hidden;                    // the rows' width
+};
+
+// Per layer of [a, b), its rotary kind's rows [B, n, rot] at ``position`` of the tables ``cos``, ``sin`` (per kind
+// [B, >= position + n, rot]: a table of positions 0, 1, ... or a call's own rows at position 0).
+void rotary_rows(const StepPlan& p, int64_t a, int64_t b, int64_t position, int64_t n,
+                 const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin, std::vector<at::Tensor>& c,
+                 std::vector<at::Tensor>& s) {
+  std::vector<at::Tensor> cos_at, sin_at;
+  for (size_t k = 0; k < cos.size(); ++k) {
+    TORCH_CHECK(cos[k].dim() == 3 && position >= 0 && cos[k].size(1) >= position + n &&
+                    sin[k].sizes() == cos[k].sizes(),
+                "rotary tables [B, >= position + n, rot]");
+    cos_at.push_back(cos[k].narrow(1, position, n));
+    sin_at.push_back(sin[k].narrow(1, position, n));
+  }
+  c.resize(b - a);
+  s.resize(b - a);
+  for (int64_t i = a; i < b; ++i) {
+    const int64_t kind = p.kinds[i];
+    TORCH_CHECK(kind < static_cast<int64_t>(cos.size()), "one cos and one sin table per rotary kind");
+    c[i - a] = cos_at[kind];
+    s[i - a] = sin_at[kind];
+  }
+}
+
+// The token's embedding row [1, 1, hidden] (a quantized table's row dequantized, or a float32 table's copied).
+at::Tensor embed_row(const StepPlan& p, int64_t token) {
+  const int64_t hidden = p.hidden;
+  TORCH_CHECK(p.embed_kind >= 0, "this plan has no embedding: pass the rows");
+  TORCH_CHECK(0 <= token && token < p.vocab, "token id ", token, " out of range [0, ", p.vocab, ")");
+  at::Tensor h = at::empty({1, 1, hidden}, at::kFloat);
+  if (p.embed_kind == 0)
+    qdequant(p.codes, p.scales, p.offsets, p.bits, p.group, p.z, at::full({1}, token, at::kLong), h.view({1, hidden}));
+  else
+    h.view({hidden}).copy_(p.codes[token]);
   return h;
+}
+
+// Layers [a, b) of the plan on h [B, n, hidden] in place; keys / values / starts: layers [a, b)'s cache buffers and
+// lengths (index i - a). ``taps``: layers t in [a, b] whose input rows (the states after layers [a, t)) are kept,
+// in order, in ``tapped``.
+void run_range(const StepPlan& p, const at::Tensor& h, int64_t a, int64_t b, const std::vector<at::Tensor>& c,
+               const std::vector<at::Tensor>& s, const std::vector<at::Tensor>& keys,
+               const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts,
+               const std::vector<int64_t>& taps, std::vector<at::Tensor>& tapped) {
+  size_t t = 0;
+  for (int64_t i = a; i <= b; ++i) {
+    for (; t < taps.size() && taps[t] == i; ++t) tapped.push_back(h.clone());
+    if (i < b) p.layers[i]->forward(h, c[i - a], s[i - a], keys[i - a], values[i - a], starts[i - a]);
+  }
+}
+
+void check_range(const StepPlan& p, int64_t a, int64_t b, size_t caches, const std::vector<int64_t>& taps) {
+  TORCH_CHECK(0 <= a && a <= b && b <= static_cast<int64_t>(p.layers.size()), "layers [", a, ", ", b,
+              ") out of the plan's [0, ", p.layers.size(), ")");
+  TORCH_CHECK(caches == static_cast<size_t>(b - a), "one cache buffer and start per layer of [a, b)");
+  for (size_t t = 0; t < taps.size(); ++t)
+    TORCH_CHECK(a <= taps[t] && taps[t] <= b && (t == 0 || taps[t - 1] <= taps[t]), "taps: ascending, in [a, b]");
+}
+
+// x: the rows [B, n, hidden] float32 contiguous (updated in place), or, with token >= 0, that token's embedding row
+// (n = 1) made here; position: the first row's position in the rotary tables; ``argmax``: then each row's argmax
+// through the plan's head. -> (the rows after layer b, the taps' rows, ids [B * n] int64 or an empty tensor)
+std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor> run_plan(
+    const StepPlan& p, int64_t a, int64_t b, const at::Tensor& x, int64_t token, int64_t position,
+    const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& keys,
+    const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts, const std::vector<int64_t>& taps,
+    bool argmax) {
+  check_range(p, a, b, keys.size(), taps);
+  TORCH_CHECK(values.size() == keys.size() && starts.size() == keys.size(), "one cache buffer and start per layer");
+  const at::Tensor h = token >= 0 ? embed_row(p, token) : x;
+  TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == at::kFloat, "rows: [B, n, hidden] float32");
+  const int64_t rows = h.size(0) * h.size(1);
+  TORCH_CHECK(rows >= 1 && rows <= 16, "a step of 1-16 rows, got ", rows);
+  std::vector<at::Tensor> c, s, tapped;
+  if (a < b) rotary_rows(p, a, b, position, h.size(1), cos, sin, c, s);
+  run_range(p, h, a, b, c, s, keys, values, starts, taps, tapped);
+  at::Tensor ids;
+  if (argmax) {
+    TORCH_CHECK(p.head, "this plan has no argmax head");
+    TORCH_CHECK(h.size(2) == p.head->norm.numel(), "rows: the LM head's input width");
+    ids = at::empty({rows}, h.options().dtype(at::kLong));
+    argmax_ids(*p.head, h.data_ptr<float>(), rows, ids.data_ptr<int64_t>());
+  }
+  return {h, tapped, ids};
 }
 
 // A deep head's draft step (selfspec/heads/deep.py, ``DeepContextHead.draft_step``): ``features`` and
@@ -184,24 +292,23 @@ at::Tensor run_layers(const std::vector<std::shared_ptr<LayerPlan>>& plans, at::
 // results are bit for bit that path's (tested). Per call the Python path ran ~40 small ops around these kernels,
 // a large part of a head call's time.
 //   x      = rms_norm(h, norm_h) ++ rms_norm(ctx, norm_f)   # [n, 2 hidden]
-//   f^     = layers(x @ Wfuse^T)                            # [1, n, hidden], each layer appending to its cache
+//   f^     = block(x @ Wfuse^T)                             # [1, n, hidden], each layer appending to its cache
 //   logits = rms_norm(f^[-1], norm_out) @ Wpart^T           # [1, V'] the drafted vocabulary's rows
 struct HeadPlan {
   at::Tensor norm_h, norm_f, norm_out;
   double eps_h, eps_f, eps_out;
   Linear fuse, lm;
-  std::vector<std::shared_ptr<LayerPlan>> layers;
+  StepPlan block;  // the head's decoder layers (one rotary kind, no embedding, no argmax)
 };
 
-// h, ctx [1, n, hidden] float32 contiguous (exit states, the previous positions' final states); per head layer its
-// rotary tables, cache buffers and cache length. -> {f^ [1, n, hidden], the last row's logits [1, V']}
-std::vector<at::Tensor> head_step(const HeadPlan& p, const at::Tensor& h, const at::Tensor& ctx,
-                                     const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                                     const std::vector<int64_t>& starts) {
-  const size_t L = p.layers.size();
-  TORCH_CHECK(cos.size() == L && sin.size() == L && keys.size() == L && values.size() == L && starts.size() == L,
-              "one rotary table, cache buffer and start per head layer");
+// h, ctx [1, n, hidden] float32 contiguous (exit states, the previous positions' final states); cos, sin: the rows'
+// rotary [1, n, rot]; per head layer its cache buffers and length. -> {f^ [1, n, hidden], the last row's logits [1, V']}
+std::vector<at::Tensor> head_step(const HeadPlan& p, const at::Tensor& h, const at::Tensor& ctx, const at::Tensor& cos,
+                                  const at::Tensor& sin, const std::vector<at::Tensor>& keys,
+                                  const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts) {
+  const int64_t L = p.block.layers.size();
+  check_range(p.block, 0, L, keys.size(), {});
+  TORCH_CHECK(values.size() == keys.size() && starts.size() == keys.size(), "one cache buffer and start per layer");
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1 && h.is_contiguous() && h.scalar_type() == at::kFloat,
               "h: [1, n, hidden] float32 contiguous");
   TORCH_CHECK(ctx.sizes() == h.sizes() && ctx.is_contiguous() && ctx.scalar_type() == at::kFloat,
@@ -218,7 +325,9 @@ std::vector<at::Tensor> head_step(const HeadPlan& p, const at::Tensor& h, const 
   }
   at::Tensor f = at::empty({1, n, hidden}, h.options());
   p.fuse.apply(x, n, f.data_ptr<float>(), hidden, false);
-  for (size_t i = 0; i < L; ++i) p.layers[i]->forward(f, cos[i], sin[i], keys[i], values[i], starts[i]);
+  std::vector<at::Tensor> c, s, tapped;
+  rotary_rows(p.block, 0, L, 0, n, {cos}, {sin}, c, s);
+  run_range(p.block, f, 0, L, c, s, keys, values, starts, {}, tapped);
   float* last = scratch(padded(hidden));
   raw::rms_norm(f.data_ptr<float>() + (n - 1) * hidden, p.norm_out.data_ptr<float>(), last, 1, hidden, p.eps_out);
   at::Tensor logits = at::empty({1, p.lm.out_features}, h.options());
@@ -226,180 +335,59 @@ std::vector<at::Tensor> head_step(const HeadPlan& p, const at::Tensor& h, const 
   return {f, logits};
 }
 
-// A greedy step's tail (``SplitModel.greedy_ids`` for the rows the LM head's screen does not take): the final norm,
-// the LM head and each row's argmax in one call, bit for bit rms_norm, the packed LM head and argmax_rows. Between
-// kernels a step's Python runs with cold caches (the step has just streamed the weights through them), so the same
-// three as torch calls cost far more than their arithmetic.
-struct GreedyHead {
-  at::Tensor norm;
-  double eps;
-  Linear lm;
-};
-
-// ids [rows] of h [rows, hidden] float32 contiguous, the norm's rows and the logits in this thread's scratch.
-void greedy_ids(const GreedyHead& g, const float* h, int64_t rows, int64_t* ids) {
-  const int64_t hidden = g.norm.numel(), V = g.lm.out_features;
-  float* x = scratch(padded(rows * hidden) + rows * V);
-  float* logits = x + padded(rows * hidden);
-  raw::rms_norm(h, g.norm.data_ptr<float>(), x, rows, hidden, g.eps);
-  g.lm.apply(x, rows, logits, V, false);
-  raw::argmax_rows(logits, rows, V, ids);
-}
-
-at::Tensor greedy_head(const GreedyHead& g, const at::Tensor& h) {  // h [rows, hidden] -> ids [rows] int64
-  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= 16 && h.scalar_type() == at::kFloat &&
-                  h.size(1) == g.norm.numel(),
-              "h: [rows, hidden] float32, 1-16 rows");
-  const at::Tensor hc = h.contiguous();
-  at::Tensor ids = at::empty({h.size(0)}, h.options().dtype(at::kLong));
-  greedy_ids(g, hc.data_ptr<float>(), h.size(0), ids.data_ptr<int64_t>());
-  return ids;
-}
-
-// The next token of a step's final state h [1, 1, hidden] (greedy_head's, without its tensors).
-int64_t greedy_next(const GreedyHead& g, const at::Tensor& h) {
-  int64_t next;
-  greedy_ids(g, h.data_ptr<float>(), 1, &next);
-  return next;
-}
-
-// A plain greedy decoding step of one sequence (``SplitModel.greedy_step``) in one call: the pending token's
-// embedding row, every decoder layer (run_layers) and the final norm, LM head and argmax (greedy_head), bit for
-// bit those calls. Around them the Python path made ~25 small torch ops (the id and position tensors, the
-// embedding row, the rotary rows, the layers' argument lists), each run with cold caches after the step's
-// weight stream.
-struct PlainStep {
-  std::vector<std::shared_ptr<LayerPlan>> layers;
-  std::vector<int64_t> kinds;  // per layer: the index of its rotary table (Gemma 3: one per attention kind)
-  int64_t embed_kind;          // 0: block-quantized rows (qdequant), 2: a float32 table [vocab, hidden]
-  at::Tensor codes, scales, offsets;  // embed_kind 2: codes is the table, the others unused
-  int64_t bits, group;
-  double z;
-  int64_t vocab, hidden;
-  GreedyHead head;
-};
-
-// Per layer, its rotary kind's row at ``position`` of the tables ``cos``, ``sin`` (per kind [1, > position, rot]).
-void rotary_at(const PlainStep& p, int64_t position, const std::vector<at::Tensor>& cos,
-               const std::vector<at::Tensor>& sin, std::vector<at::Tensor>& c, std::vector<at::Tensor>& s) {
-  TORCH_CHECK(cos.size() == sin.size() && !cos.empty(), "one cos and one sin table per rotary kind");
-  std::vector<at::Tensor> cos_at, sin_at;  // per kind: the position's row [1, 1, rot]
-  for (size_t k = 0; k < cos.size(); ++k) {
-    TORCH_CHECK(cos[k].dim() == 3 && cos[k].size(1) > position && position >= 0 && sin[k].sizes() == cos[k].sizes(),
-                "rotary tables [1, > position, rot]");
-    cos_at.push_back(cos[k].narrow(1, position, 1));
-    sin_at.push_back(sin[k].narrow(1, position, 1));
-  }
-  const size_t L = p.layers.size();
-  c.resize(L);
-  s.resize(L);
-  for (size_t i = 0; i < L; ++i) {
-    c[i] = cos_at[p.kinds[i]];
-    s[i] = sin_at[p.kinds[i]];
-  }
-}
-
-// The token's embedding row [1, 1, hidden] (a quantized table's row dequantized, or a float32 table's copied).
-at::Tensor embed_row(const PlainStep& p, int64_t token) {
-  TORCH_CHECK(0 <= token && token < p.vocab, "token id ", token, " out of range [0, ", p.vocab, ")");
-  at::Tensor h = at::empty({1, 1, p.hidden}, at::kFloat);
-  if (p.embed_kind == 0)
-    qdequant(p.codes, p.scales, p.offsets, p.bits, p.group, p.z, at::full({1}, token, at::kLong),
-             h.view({1, p.hidden}));
-  else
-    h.view({p.hidden}).copy_(p.codes[token]);
-  return h;
-}
-
-// Layers [a, b) of the plan on h [1, 1, hidden] in place.
-void layers_range(const PlainStep& p, const at::Tensor& h, int64_t a, int64_t b, const std::vector<at::Tensor>& c,
-                  const std::vector<at::Tensor>& s, const std::vector<at::Tensor>& keys,
-                  const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts) {
-  TORCH_CHECK(keys.size() == p.layers.size() && values.size() == keys.size() && starts.size() == keys.size(),
-              "one cache buffer and start per layer");
-  for (int64_t i = a; i < b; ++i) p.layers[i]->forward(h, c[i], s[i], keys[i], values[i], starts[i]);
-}
-
-// token: the pending token, at ``position``; cos, sin: per rotary kind the table [1, >= position + 1, rot] of
-// positions 0, 1, ...; keys / values: every layer's cache buffers, entries ``starts`` written. -> the next token
-int64_t greedy_step(const PlainStep& p, int64_t token, int64_t position, const std::vector<at::Tensor>& cos,
-                    const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& keys,
-                    const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts) {
-  std::vector<at::Tensor> c, s;
-  rotary_at(p, position, cos, sin, c, s);
-  const at::Tensor h = embed_row(p, token);
-  layers_range(p, h, 0, p.layers.size(), c, s, keys, values, starts);
-  return greedy_next(p.head, h);
-}
-
-// A greedy round that drafts nothing, for a drafter whose head keeps the verified tokens' states (a stateful or
-// deep-context head): greedy_step's calls, keeping the token's exit state (after layers [0, k)) for the head's
-// backlog and its last-layer state for the head's context. Bit for bit the round's Python path (the exit state
-// from layers [0, k), the rest of the layers over it, greedy_head), without its ~25 small ops, so such a
-// round costs little more than a plain step.
-// -> (the exit state [1, 1, hidden], the final state [1, 1, hidden], the next token)
-std::tuple<at::Tensor, at::Tensor, int64_t> step_with_states(
-    const PlainStep& p, int64_t k, int64_t token, int64_t position, const std::vector<at::Tensor>& cos,
-    const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& keys,
-    const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts) {
-  const int64_t L = p.layers.size();
-  TORCH_CHECK(0 <= k && k <= L, "exit layer ", k, " out of range [0, ", L, "]");
-  std::vector<at::Tensor> c, s;
-  rotary_at(p, position, cos, sin, c, s);
-  const at::Tensor h = embed_row(p, token);
-  layers_range(p, h, 0, k, c, s, keys, values, starts);
-  const at::Tensor exit = h.clone();
-  layers_range(p, h, k, L, c, s, keys, values, starts);
-  const int64_t next = greedy_next(p.head, h);
-  return {exit, h, next};
-}
-
 // The front of a greedy drafting round with a deep head (``EarlyExitDrafter``'s first draft) and, when that draft
 // falls short of the policy's confidence bar (a blank round: the head ran, no draft), the rest of the pending
-// token's plain step, in one call (``DeepContextHead.draft_or_step``). The same calls as the Python path, in its
-// order, so the results are bit for bit its own:
+// token's plain step, in one call (``DeepContextHead.draft_or_step``): the target's plan run in two ranges around the
+// head's step, the same calls as the Python path in its order, so the results are bit for bit its own:
 //   h      = layers [0, k) of the token's embedding row       # the exit state [1, 1, hidden]
 //   f^, z  = head_step([backlog, h], ctx)                     # z: the drafted vocabulary's logits [1, V']
-//   conf   = max softmax(z), d = ids[argmax z]                # as _Chain._pick
+//   conf   = max softmax(z), d = ids[argmax z]                # as the chain's greedy pick
 //   conf >= bar: -> the draft d (the caller drafts on from h and f^)
 //   else:        layers [k, L) of h, final norm, LM head, argmax -> the target's next token (and its final state)
 // Where most rounds are blank (the confidence stop refuses the first draft, as on translation prompts), a blank
 // round's cost beyond a plain step is mostly the round's Python, not the head's kernel: one call removes it.
 // -> ({exit state, f^ [1, n, hidden], the final state [1, 1, hidden] or an empty tensor}, drafted, token, conf)
 std::tuple<std::vector<at::Tensor>, bool, int64_t, double> draft_or_step(
-    const PlainStep& p, const HeadPlan& head, int64_t k, int64_t token, int64_t position,
+    const StepPlan& p, const HeadPlan& head, int64_t k, int64_t token, int64_t position,
     const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& keys,
     const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts,
     const at::Tensor& backlog,  // [1, b, hidden]: exit states the head has not seen yet (b may be 0)
     const at::Tensor& ctx,      // [1, b + 1, hidden]: the final states of the positions before those rows
-    const std::vector<at::Tensor>& head_cos, const std::vector<at::Tensor>& head_sin,
-    const std::vector<at::Tensor>& head_keys, const std::vector<at::Tensor>& head_values,
-    const std::vector<int64_t>& head_starts,
+    const at::Tensor& head_cos, const at::Tensor& head_sin, const std::vector<at::Tensor>& head_keys,
+    const std::vector<at::Tensor>& head_values, const std::vector<int64_t>& head_starts,
     const at::Tensor& ids,  // [V'] int64: the drafted vocabulary's token ids
     double bar) {
   const int64_t L = p.layers.size();
   TORCH_CHECK(0 <= k && k <= L, "exit layer ", k, " out of range [0, ", L, "]");
-  TORCH_CHECK(backlog.dim() == 3 && backlog.size(0) == 1 && backlog.size(2) == p.hidden &&
+  check_range(p, 0, L, keys.size(), {});
+  TORCH_CHECK(p.head, "the target's plan needs its argmax head");
+  const int64_t hidden = p.head->norm.numel();
+  TORCH_CHECK(backlog.dim() == 3 && backlog.size(0) == 1 && backlog.size(2) == hidden &&
                   backlog.scalar_type() == at::kFloat,
               "backlog: [1, b, hidden] float32");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.size(0) == head.lm.out_features,
               "ids: the drafted vocabulary's [V'] int64");
-  std::vector<at::Tensor> c, s;
-  rotary_at(p, position, cos, sin, c, s);
+  std::vector<at::Tensor> c, s, tapped;
+  rotary_rows(p, 0, L, position, 1, cos, sin, c, s);
   const at::Tensor h = embed_row(p, token);
-  layers_range(p, h, 0, k, c, s, keys, values, starts);
+  run_range(p, h, 0, k, c, s, keys, values, starts, {}, tapped);
   const at::Tensor exit = h.clone();
   const at::Tensor rows = backlog.size(1) ? at::cat({backlog, exit}, 1) : exit;
   const std::vector<at::Tensor> fz = head_step(head, rows, ctx, head_cos, head_sin, head_keys, head_values,
-                                                  head_starts);
+                                               head_starts);
   const at::Tensor z = fz[1][0];  // [V']
   const double conf = at::softmax(z, -1).max().item<double>();
   if ((std::isinf(bar) && bar < 0) || conf >= bar) {  // -inf: a policy that keeps every draft (even a NaN's)
     const int64_t draft = ids[argmax_rows(fz[1]).item<int64_t>()].item<int64_t>();
     return {{exit, fz[0], at::Tensor()}, true, draft, conf};
   }
-  layers_range(p, h, k, L, c, s, keys, values, starts);
-  const int64_t next = greedy_next(p.head, h);
+  // layers [k, L): their slices of the per-layer arguments (run_range indexes them from its first layer)
+  const std::vector<at::Tensor> ck(c.begin() + k, c.end()), sk(s.begin() + k, s.end()),
+      kk(keys.begin() + k, keys.end()), vk(values.begin() + k, values.end());
+  const std::vector<int64_t> stk(starts.begin() + k, starts.end());
+  run_range(p, h, k, L, ck, sk, kk, vk, stk, {}, tapped);
+  int64_t next;
+  argmax_ids(*p.head, h.data_ptr<float>(), 1, &next);
   return {{exit, fz[0], h}, false, next, conf};
 }
 
@@ -440,58 +428,59 @@ void bind_step(pybind11::module_& m) {
            py::arg("input_eps"), py::arg("post_norm"), py::arg("post_eps"), py::arg("q_norm"), py::arg("q_eps"),
            py::arg("k_norm"), py::arg("k_eps"), py::arg("hq"), py::arg("hkv"), py::arg("head_dim"), py::arg("window"),
            py::arg("scaling"));
+  py::class_<ArgmaxHead, std::shared_ptr<ArgmaxHead>>(m, "ArgmaxHead")
+      .def(py::init([](at::Tensor norm, double eps, Linear lm) {
+             TORCH_CHECK(norm.numel() == lm.in_features() && norm.is_contiguous() && norm.scalar_type() == at::kFloat,
+                         "the final norm: the LM head's input width, float32 contiguous");
+             return std::make_shared<ArgmaxHead>(ArgmaxHead{norm, eps, lm});
+           }),
+           py::arg("norm"), py::arg("eps"), py::arg("lm"));
+  py::class_<StepPlan>(m, "StepPlan")
+      .def(py::init([](std::vector<std::shared_ptr<LayerPlan>> layers, std::vector<int64_t> kinds, int64_t kinds_n,
+                       int64_t embed_kind, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
+                       int64_t group, double z, int64_t vocab, std::shared_ptr<ArgmaxHead> head) {
+             TORCH_CHECK(kinds.size() == layers.size(), "a rotary kind per layer");
+             for (const auto& l : layers) TORCH_CHECK(l, "every layer of a plan needs its LayerPlan");
+             for (int64_t k : kinds) TORCH_CHECK(0 <= k && k < kinds_n, "rotary kind out of range");
+             TORCH_CHECK(embed_kind == -1 || embed_kind == 0 || embed_kind == 2, "embed_kind must be -1, 0 or 2");
+             if (embed_kind == 2)
+               TORCH_CHECK(codes.dim() == 2 && codes.size(0) >= vocab && codes.scalar_type() == at::kFloat &&
+                               codes.is_contiguous() && (!head || codes.size(1) == head->norm.numel()),
+                           "a float32 embedding table [vocab, hidden]");
+             const int64_t hidden = head ? head->norm.numel() : layers.empty() ? 0 : layers[0]->input_norm.numel();
+             if (embed_kind == 0) TORCH_CHECK(hidden > 0, "a plan with an embedding needs its layers or head");
+             return StepPlan{std::move(layers), std::move(kinds), embed_kind, codes, scales, offsets, bits, group, z,
+                             vocab, std::move(head), hidden};
+           }),
+           py::arg("layers"), py::arg("kinds"), py::arg("kinds_n"), py::arg("embed_kind"), py::arg("codes"),
+           py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"), py::arg("z"), py::arg("vocab"),
+           py::arg("head"));
   py::class_<HeadPlan>(m, "HeadPlan")
       .def(py::init([](at::Tensor norm_h, double eps_h, at::Tensor norm_f, double eps_f, Linear fuse,
                        std::vector<std::shared_ptr<LayerPlan>> layers, at::Tensor norm_out, double eps_out,
                        Linear lm) {
              TORCH_CHECK(!layers.empty(), "a head plan needs its decoder layers");
+             for (const auto& l : layers) TORCH_CHECK(l, "every layer of a head plan needs its LayerPlan");
              const int64_t hidden = norm_h.numel();
              TORCH_CHECK(norm_f.numel() == hidden && norm_out.numel() == hidden && fuse.in_features() == 2 * hidden &&
                              fuse.out_features == hidden && lm.in_features() == hidden,
                          "a head plan's norms and linears must chain (hidden ", hidden, ")");
              for (const at::Tensor* t : {&norm_h, &norm_f, &norm_out})
                TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat, "norm weights: float32 contiguous");
-             return HeadPlan{norm_h, norm_f, norm_out, eps_h, eps_f, eps_out, fuse, lm, std::move(layers)};
+             const size_t L = layers.size();
+             StepPlan block{std::move(layers), std::vector<int64_t>(L, 0), -1, at::Tensor(), at::Tensor(),
+                            at::Tensor(), 0, 0, 0.0, 0, nullptr, hidden};
+             return HeadPlan{norm_h, norm_f, norm_out, eps_h, eps_f, eps_out, fuse, lm, std::move(block)};
            }),
            py::arg("norm_h"), py::arg("eps_h"), py::arg("norm_f"), py::arg("eps_f"), py::arg("fuse"),
            py::arg("layers"), py::arg("norm_out"), py::arg("eps_out"), py::arg("lm"));
-  py::class_<GreedyHead>(m, "GreedyHead")
-      .def(py::init([](at::Tensor norm, double eps, Linear lm) {
-             TORCH_CHECK(norm.numel() == lm.in_features() && norm.is_contiguous() && norm.scalar_type() == at::kFloat,
-                         "the final norm: the LM head's input width, float32 contiguous");
-             return GreedyHead{norm, eps, lm};
-           }),
-           py::arg("norm"), py::arg("eps"), py::arg("lm"));
-  py::class_<PlainStep>(m, "PlainStep")
-      .def(py::init([](std::vector<std::shared_ptr<LayerPlan>> layers, std::vector<int64_t> kinds, int64_t kinds_n,
-                       int64_t embed_kind, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
-                       int64_t bits, int64_t group, double z, int64_t vocab, GreedyHead head) {
-             TORCH_CHECK(!layers.empty() && kinds.size() == layers.size(), "a plan per layer and its rotary kind");
-             for (int64_t k : kinds) TORCH_CHECK(0 <= k && k < kinds_n, "rotary kind out of range");
-             TORCH_CHECK(embed_kind == 0 || embed_kind == 2, "embed_kind must be 0 or 2");
-             int64_t hidden = head.norm.numel();
-             if (embed_kind == 2)
-               TORCH_CHECK(codes.dim() == 2 && codes.size(0) >= vocab && codes.size(1) == hidden &&
-                               codes.scalar_type() == at::kFloat && codes.is_contiguous(),
-                           "a float32 embedding table [vocab, hidden]");
-             return PlainStep{std::move(layers), std::move(kinds), embed_kind, codes, scales, offsets, bits, group, z,
-                              vocab, hidden, head};
-           }),
-           py::arg("layers"), py::arg("kinds"), py::arg("kinds_n"), py::arg("embed_kind"), py::arg("codes"),
-           py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"), py::arg("z"), py::arg("vocab"),
-           py::arg("head"));
-  m.def("greedy_step", &greedy_step, "a plain greedy step: the token's embedding row, every layer, the argmax",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("step_with_states", &step_with_states,
-        "a greedy step that keeps the token's exit state and final state (a round that drafts nothing)",
+  m.def("run_plan", &run_plan,
+        "a causal step's rows (or a token's embedding row) through layers [a, b) of a plan, the taps' rows kept, "
+        "then each row's argmax if asked",
         py::call_guard<py::gil_scoped_release>());
   m.def("draft_or_step", &draft_or_step,
         "a deep head's first draft of a greedy round, and below the confidence bar the rest of the plain step",
         py::call_guard<py::gil_scoped_release>());
-  m.def("greedy_head", &greedy_head, "the final norm, the LM head and each row's argmax of a greedy step",
-        py::call_guard<py::gil_scoped_release>());
   m.def("head_step", &head_step, "a deep head's draft step: fused features, its layers, the drafted vocabulary's logits",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("run_layers", &run_layers, "decoder layers of one causal decoding step (<= 16 rows), updating h in place",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -139,6 +139,7 @@ class FastLayer:
         probe = torch.linspace(-6, 6, 64, dtype=self.qkv.dtype, device=self.qkv.device)
         self.silu = bool(torch.equal(self.act(probe), F.silu(probe)))
         self.plan = self._step_plan()
+        self._single: Any = None  # ``_one_layer_plan``'s
 
     @property
     def linears(self) -> tuple[PackedLinear, PackedLinear, PackedLinear, PackedLinear]:
@@ -161,6 +162,13 @@ class FastLayer:
             qn.weight if qn else empty, qn.eps if qn else 0.0, kn.weight if kn else empty, kn.eps if kn else 0.0,
             self.num_heads, self.num_kv_heads, self.head_dim, self.window, self.scaling,
         )
+
+    def _one_layer_plan(self) -> Any:
+        """This layer alone as a ``StepPlan`` (no embedding, no argmax: ``models/plans.py``), built once."""
+        if self._single is None:
+            empty = torch.empty(0)
+            self._single = self._fused_ops().StepPlan([self.plan], [0], 1, -1, empty, empty, empty, 0, 0, 0.0, 0, None)
+        return self._single
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int,
               mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:  # q [b, n, hq, d] -> [b, n, hq * d]
@@ -201,8 +209,8 @@ class FastLayer:
         if (ops and b * n <= MAX_GEMV_ROWS and self.plan is not None and len(segments) == 1 and segments[0].causal
                 and segments[0].n == n and h.is_contiguous()):
             seg = segments[0]  # one causal sequence (a head's block): the layer as one C++ call, the same ops
-            self._fused_ops().run_layers([self.plan], h, [seg.rotary.raw[0]], [seg.rotary.raw[1]], [seg.keys],
-                                         [seg.values], [seg.start])
+            self._fused_ops().run_plan(self._one_layer_plan(), 0, 1, h, -1, 0, [seg.rotary.raw[0]],
+                                       [seg.rotary.raw[1]], [seg.keys], [seg.values], [seg.start], [], False)
             return h
         qkv = self._qkv(h, ops)  # [b, rows, (hq + 2 hkv) d]
         if len(segments) == 1 and segments[0].n == n:

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from selfspec.errors import ModelNotFoundError, SelfSpecError
+from selfspec.models.architectures import check_supported
 from selfspec.models.lean import meta_model
-from selfspec.models.split import check_supported
 from selfspec.paths import atomic_dir, atomic_write_text
 from selfspec.progress import announce, progress, quiet_transformers
 from selfspec.quant.formats import FLOAT_TYPES, check_type

@@ -117,7 +117,7 @@ class LeanRMSNorm(nn.Module):
 class LeanRotary(nn.Module):
     """Rotary cos / sin tables as transformers' RotaryEmbedding of the architecture computes them."""
 
-    positions_only = True  # cos, sin of a position depend on it alone (``selfspec.models.split.static_rope``)
+    positions_only = True  # cos, sin of a position depend on it alone (``selfspec.models.rotary.static_rope``)
 
     def __init__(self, config: Any) -> None:
         super().__init__()

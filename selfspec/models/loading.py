@@ -25,9 +25,9 @@ from selfspec.config import ModelConfig
 from selfspec.errors import InvalidConfigError, ModelNotFoundError, SelfSpecError
 from selfspec.memory import trim_heap
 from selfspec.models import catalog
+from selfspec.models.architectures import SUPPORTED_ARCHITECTURES, check_supported
 from selfspec.models.gguf import load_gguf_model, load_gguf_tokenizer
 from selfspec.models.lean import meta_model
-from selfspec.models.split import SUPPORTED_ARCHITECTURES, check_supported
 from selfspec.paths import atomic_dir, cache_root, check_cache_writable
 from selfspec.progress import announce, progress, quiet_transformers
 from selfspec.quant.convert import quantize_parts
