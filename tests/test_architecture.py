@@ -2,9 +2,10 @@
 
 Every module of selfspec/ is parsed with ``ast`` (nothing is imported). An import counts wherever it
 stands, at module level or inside a function: a function-level import only postpones a circle to the
-first call. Not counted: imports under ``if TYPE_CHECKING:`` (never executed) and the implicit import of
-a module's parent packages. ``from selfspec.a import b`` is an edge to ``selfspec.a.b`` when that is a
-module, else to ``selfspec.a``.
+first call. Imports under ``if TYPE_CHECKING:`` count too: never executed, but a circle through one still
+ties the modules together (neither reads without the other, and a type checker follows it); they are marked
+``type_only`` and shown as such. Not counted: the implicit import of a module's parent packages.
+``from selfspec.a import b`` is an edge to ``selfspec.a.b`` when that is a module, else to ``selfspec.a``.
 
 ``python tests/test_architecture.py`` prints the circles and every import inside a function.
 """
@@ -34,6 +35,7 @@ class Import:
     target: str  # the imported module (a selfspec module resolved to its file's module; others as written)
     line: int
     function: str | None  # qualified name of the enclosing function, e.g. "cmd" or "Engine.step"
+    type_only: bool = False  # under ``if TYPE_CHECKING:``: read by type checkers, never executed
 
     @property
     def internal(self) -> bool:
@@ -66,13 +68,14 @@ class _Visitor(ast.NodeVisitor):
         self.package = module if modules()[module].name == "__init__.py" else module.rpartition(".")[0]
         self.scope: list[str] = []
         self.functions = 0  # how many of the enclosing scopes are functions
+        self.type_only = 0  # how many of the enclosing blocks are ``if TYPE_CHECKING:``
         self.found: list[Import] = []
 
     def _add(self, target: str, node: ast.stmt) -> None:
         if target == PACKAGE or target.startswith(PACKAGE + "."):
             target = _resolve(target)
         function = ".".join(self.scope) if self.functions else None
-        self.found.append(Import(self.module, target, node.lineno, function))
+        self.found.append(Import(self.module, target, node.lineno, function, self.type_only > 0))
 
     def _scoped(self, node: ast.AST, is_function: bool) -> None:
         self.scope.append(node.name)  # type: ignore[attr-defined]
@@ -94,6 +97,10 @@ class _Visitor(ast.NodeVisitor):
         test = node.test
         if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
                 isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            self.type_only += 1
+            for child in node.body:
+                self.visit(child)
+            self.type_only -= 1
             for child in node.orelse:
                 self.visit(child)
             return
@@ -134,7 +141,8 @@ def function_level_imports(internal_only: bool = False) -> list[Import]:
 
 
 def graph() -> dict[str, set[str]]:
-    """selfspec module -> the selfspec modules it imports (module and function level; no self-edges)."""
+    """selfspec module -> the selfspec modules it imports (module and function level, type-only ones included; no
+    self-edges)."""
     edges: dict[str, set[str]] = {m: set() for m in modules()}
     for i in imports():
         if i.internal and i.target != i.module:
@@ -205,8 +213,10 @@ def describe(circle: frozenset[str]) -> str:
                 queue.append(w)
     steps = []
     for a, b in zip(path, path[1:] + [start]):
-        where = next(i for i in imports() if i.module == a and i.target == b)
+        found = [i for i in imports() if i.module == a and i.target == b]
+        where = next((i for i in found if not i.type_only), found[0])  # a run-time import when there is one
         inside = f" (in {where.function})" if where.function else ""
+        inside += " (under TYPE_CHECKING)" if where.type_only else ""
         steps.append(f"  {a} -> {b}  [{modules()[a].relative_to(ROOT.parent)}:{where.line}{inside}]")
     others = sorted(circle - set(path))
     return "\n".join(steps) + (f"\n  (same circle: {', '.join(others)})" if others else "")
@@ -216,6 +226,13 @@ def test_modules_found() -> None:
     mods = modules()
     assert {"selfspec", "selfspec.cli", "selfspec.config", "selfspec.kernels.linear"} <= set(mods)
     assert all(i.target in mods for i in imports() if i.internal), "an import of a selfspec module that does not exist"
+
+
+def test_type_only_imports_count() -> None:
+    """An import under ``if TYPE_CHECKING:`` is an edge of the graph like any other."""
+    typed = [i for i in imports() if i.type_only and i.internal and i.target != i.module]
+    assert typed, "no import under TYPE_CHECKING found: is the visitor still reading those blocks?"
+    assert all(i.target in graph()[i.module] for i in typed)
 
 
 def test_no_import_circles() -> None:

@@ -14,24 +14,17 @@ import pytest
 import torch
 
 from selfspec import DraftConfig, SelfSpec
-from selfspec.bench.methods import hf_steps, parse_method, split_specs
-from selfspec.bench.report import (
-    compute_divergences,
-    format_summary,
-    load_run,
-    read_answers,
-    repeated_share,
-    summarize,
-    write_report,
-)
-from selfspec.bench.specbench import (
-    BenchConfig,
-    answer_text,
-    load_questions,
-    run_bench,
-    select_questions,
-    turn_prompt,
-)
+from selfspec.bench.answers import load_run, read_answers
+from selfspec.bench.config import BenchConfig
+from selfspec.bench.divergences import compute_divergences
+from selfspec.bench.methods import parse_method, split_specs
+from selfspec.bench.questions import load_questions, select_questions, turn_prompt
+from selfspec.bench.repetition import repeated_share
+from selfspec.bench.report import write_report
+from selfspec.bench.specbench import answer_text, run_bench
+from selfspec.bench.summary import summarize
+from selfspec.bench.tables import format_summary
+from selfspec.bench.turn import hf_steps
 from selfspec.cli import main
 from selfspec.errors import InvalidConfigError
 
@@ -440,7 +433,7 @@ def test_keep_drafters_keeps_each_methods_drafter_across_its_turns(tiny_ss, tmp_
     """``keep_drafters``: each selfspec method's drafter is built at its first turn and kept for its later ones (two
     methods alternating, each with its own), as its own server keeps it; the answers are the same as with a drafter
     built afresh each turn (every run so far)."""
-    import selfspec.bench.methods as bm
+    import selfspec.bench.turn as bench_turn
 
     built: list[str] = []
     real = tiny_ss.set_draft
@@ -448,7 +441,7 @@ def test_keep_drafters_keeps_each_methods_drafter_across_its_turns(tiny_ss, tmp_
     methods = ["plain", "selfspec-lm", "selfspec-lm-confidence"]
     # each method's drafters, held (an id alone may be reused by a later drafter once an earlier one is freed)
     engines: dict[str, list] = {}
-    real_use = bm.use_draft
+    real_use = bench_turn.use_draft
 
     def spy(ss, method, kept=None):
         real_use(ss, method, kept)
@@ -457,7 +450,7 @@ def test_keep_drafters_keeps_each_methods_drafter_across_its_turns(tiny_ss, tmp_
     def distinct(drafters: list) -> int:
         return len({id(d) for d in drafters})
 
-    monkeypatch.setattr(bm, "use_draft", spy)
+    monkeypatch.setattr(bench_turn, "use_draft", spy)
     kept = run_bench(bench_cfg(tmp_path, QUESTIONS[:2], methods=methods, keep_drafters=True,
                                out=str(tmp_path / "kept")), ss=tiny_ss)
     assert all(distinct(ds) == 1 for ds in engines.values()) and len(engines) == 2

@@ -10,7 +10,9 @@ import pytest
 from conftest import LAYERS, tiny_model, tiny_tokenizer
 
 from selfspec import DraftConfig, SelfSpec
-from selfspec.bench.forward import RANGES, ForwardBenchConfig, format_tables, measure_bandwidth, run
+from selfspec.bench.forward import ForwardBenchConfig, measure_bandwidth, run
+from selfspec.bench.forward_ranges import RANGES
+from selfspec.bench.forward_report import format_tables
 from selfspec.cli import build_parser, main
 from selfspec.config import ModelConfig, config_from_args
 

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import pytest
 
 from selfspec.bench.batching import BatchBenchConfig
+from selfspec.bench.config import BenchConfig
 from selfspec.bench.forward import ForwardBenchConfig
 from selfspec.bench.methods import split_specs
 from selfspec.bench.quick import QuickBenchConfig
-from selfspec.bench.specbench import BenchConfig, run_parser
+from selfspec.bench.specbench import run_parser
 from selfspec.cli import COMMANDS, build_parser
 from selfspec.config import GenerateConfig, add_config_args, config_from_args, opt
 from selfspec.train.sweep import SweepConfig

@@ -181,7 +181,8 @@ def test_bench_forward_reports_the_quantized_path(tmp_path, one_thread):
     import json
     from pathlib import Path
 
-    from selfspec.bench.forward import ForwardBenchConfig, format_tables, run
+    from selfspec.bench.forward import ForwardBenchConfig, run
+    from selfspec.bench.forward_report import format_tables
 
     float_ss = SelfSpec(tiny_model("llama"), None, DraftConfig(gamma=2))
     ss = SelfSpec(quantize_model(tiny_model("llama"), "Q4_0"), None, DraftConfig(gamma=2))
@@ -249,7 +250,7 @@ def test_packed_weights_are_held_once(tmp_path, monkeypatch, one_thread):
     module holds a dense float32 copy, even after decoding, and no KV cache is made before a request."""
     from conftest import tiny_tokenizer
 
-    from selfspec.bench.forward import memory_breakdown
+    from selfspec.bench.forward_memory import memory_breakdown
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     tiny_model("llama").save_pretrained(tmp_path / "m")

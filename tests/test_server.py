@@ -575,7 +575,8 @@ def test_graceful_shutdown_finishes_short_and_cancels_long_requests(ss, server):
 
 @pytest.mark.slow
 def test_bounded_load_test_against_a_real_server_process(tmp_path):
-    from selfspec.bench.loadtest import LoadTestConfig, run
+    from selfspec.bench.loadtest import run
+    from selfspec.bench.loadtest_config import LoadTestConfig
 
     r = run(LoadTestConfig(clients=4, requests_per_client=5, max_tokens=8, num_prompts=2,
                            out=str(tmp_path / "load.json")))
@@ -598,7 +599,8 @@ def test_ray_serve_two_replicas(tmp_path):
     the bounded load test (streaming, malformed bodies, wrong keys, disconnects) against it: every answer equal
     to its reference, no 5xx, both replicas answering, a clean exit on SIGINT."""
     pytest.importorskip("ray")
-    from selfspec.bench.loadtest import LoadTestConfig, run
+    from selfspec.bench.loadtest import run
+    from selfspec.bench.loadtest_config import LoadTestConfig
 
     r = run(LoadTestConfig(clients=4, requests_per_client=5, max_tokens=8, num_prompts=2, threads=1,
                            serve_args="--replicas 2", out=str(tmp_path / "ray.json")))

@@ -36,13 +36,8 @@ import torch
 from selfspec.api import SelfSpec
 from selfspec.batch.scheduler import BatchConfig, Scheduler
 from selfspec.bench.eqspec import PaddedBatch
-from selfspec.bench.specbench import (
-    DEFAULT_QUESTIONS,
-    load_questions,
-    machine_info,
-    select_questions,
-    turn_prompt,
-)
+from selfspec.bench.manifest import machine_info
+from selfspec.bench.questions import DEFAULT_QUESTIONS, load_questions, select_questions, turn_prompt
 from selfspec.config import GenerateConfig, ModelConfig, add_command, config_from_args, opt
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import make_policy

@@ -17,8 +17,9 @@ measured here too (``measure_bandwidth``), so each figure is also a fraction of 
 at batch 1 a forward is bandwidth bound, so t(n) / t(1) well below n is what makes verifying a
 block of drafts cheap; these figures show how far from that each backend is.
 
-The report ends with the resident memory after load and what it is made of (``memory_breakdown``: runtime,
-packed weights, float parameters, exit head, KV caches), checked against issue 25's bound.
+The report (selfspec.bench.forward_report) ends with the resident memory after load and what it is made of
+(selfspec.bench.forward_memory: runtime, packed weights, float parameters, exit head, KV caches), checked against
+issue 25's bound. The bytes each range reads are counted in selfspec.bench.forward_ranges.
 
     selfspec bench-forward --threads 2 --out runs/bench-forward.json    # the plot: runs/bench-forward.png
 """
@@ -31,28 +32,26 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from selfspec.api import SelfSpec
-from selfspec.bench.specbench import machine_info
+from selfspec.bench.forward_memory import MIB, memory_breakdown
+from selfspec.bench.forward_ranges import RANGES, range_bytes, range_weights
+from selfspec.bench.forward_report import format_tables, write_plot
+from selfspec.bench.manifest import machine_info
 from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
 from selfspec.costs import time_blocks, time_head
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import bundled_head_dir, read_head_config
-from selfspec.memory import file_mappings, proc_mb, resident_mb
-from selfspec.models.cache import KVCache
-from selfspec.models.lean import ARCHITECTURES
+from selfspec.memory import resident_mb
 from selfspec.models.split import BACKENDS, SplitModel
 from selfspec.progress import progress
-from selfspec.quant.store import in_page_buffer
 from selfspec.timing import time_call
 
 FORMAT = "selfspec-bench-forward/1"
-RANGES = ("full", "greedy", "shallow", "deep", "head")
 GB = 1e9  # decimal gigabytes, as bandwidth figures are usually quoted
 
 
@@ -92,109 +91,6 @@ def measure_bandwidth(mb: int = 256, reps: int = 10) -> float:
 
 
 @torch.inference_mode()
-def _param_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the weights a forward through ``module`` reads: its parameters and, for block-quantized
-    modules, their packed codes, scales and offsets (each shared weight once)."""
-    seen: set[int] = set()
-    total = 0
-    for m in module.modules():
-        qw = getattr(m, "qweight", None)
-        if qw is not None and id(qw) not in seen:
-            seen.add(id(qw))
-            total += qw.nbytes
-    return total + sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def _matrix_weights(module: torch.nn.Module) -> int:
-    """Weights (elements) of the matrices a forward multiplies with: 2 * n * this = its FLOPs at n rows."""
-    total = 0
-    for m in module.modules():
-        qw = getattr(m, "qweight", None)
-        if qw is not None:
-            total += qw.shape[0] * qw.shape[1]
-        elif isinstance(m, torch.nn.Linear):
-            total += m.weight.numel()
-    return total
-
-
-MIB = 2**20
-BOUND_FACTOR = 1.3  # issue 25: resident after load <= 1.3 x the GGUF + KV cache + the Python runtime
-_RUNTIME_PROBE = """
-import importlib, sys
-def rss():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-import torch, transformers
-base = rss()
-importlib.import_module("transformers.modeling_utils")
-importlib.import_module(sys.argv[1])
-print(base, rss())
-"""
-
-
-@lru_cache(maxsize=4)
-def runtime_baseline_mb(modeling_module: str = "transformers.models.llama.modeling_llama") -> tuple[float, float]:
-    """Resident MB of a fresh Python with torch and transformers imported (the bound's runtime), and with
-    transformers' model code imported too (``modeling_module``: what every loaded model imports; it pulls in
-    accelerate, torch.distributed and torch._dynamo), measured in a subprocess; NaNs when that fails."""
-    import subprocess
-    import sys
-
-    try:
-        out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, modeling_module], capture_output=True,
-                             text=True, timeout=300, check=True).stdout.split()
-        return float(out[-2]), float(out[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return float("nan"), float("nan")
-
-
-def _live_kv_bytes() -> int:
-    """Bytes of the KV caches alive in this process (requests make their own, sized to them)."""
-    import gc
-
-
-    gc.collect()
-    return sum(t.numel() * t.element_size() for c in gc.get_objects() if issubclass(type(c), KVCache)
-               for t in (*c.keys, *c.values))
-
-
-def memory_breakdown(ss: SelfSpec, rss_after_load: float) -> dict[str, Any]:
-    """What the resident memory after load is made of, in MiB, and issue 25's bound on it: BOUND_FACTOR x the
-    GGUF + the KV caches alive + the runtime (python + torch + transformers imported)."""
-    split = ss.split
-    qws = {id(qw): qw for m in ss.model.modules() if (qw := getattr(m, "qweight", None)) is not None}
-    files = [m for m in file_mappings() if m[2].endswith("packed.safetensors")]  # selfspec.quant.store's cache
-    mapped = sum(qw.nbytes for qw in qws.values() if any(s <= qw.codes.data_ptr() < e for s, e, _, _ in files))
-    pages = sum(qw.nbytes for qw in qws.values() if in_page_buffer(qw.codes))
-    dense = sum(m._dense.numel() * m._dense.element_size() for m in ss.model.modules()
-                if getattr(m, "_dense", None) is not None)
-    kv_token = 2 * split.num_layers * split.num_kv_heads * split.head_dim * split.dtype.itemsize
-    gguf = ss.source_gguf.stat().st_size / MIB if ss.source_gguf else None
-    package = ARCHITECTURES.get(split.config.model_type, ("llama",))[0]
-    runtime, modeling = runtime_baseline_mb(f"transformers.models.{package}.modeling_{package}")
-    kv = _live_kv_bytes() / MIB
-    file_resident = sum(m[3] for m in files)
-    return {
-        "rss_after_load_mb": rss_after_load, "gguf_mb": gguf,
-        # mapped pages count once read: the figure once every packed page has been (a decoding step reads all but
-        # the embedding's rows, which are read as tokens are looked up)
-        "rss_all_weights_read_mb": rss_after_load + max(0, mapped - file_resident) / MIB,
-        "packed_mb": sum(qw.nbytes for qw in qws.values()) / MIB, "packed_mapped_mb": mapped / MIB,
-        "packed_pages_mb": pages / MIB, "huge_pages_mb": proc_mb("/proc/self/smaps_rollup", "AnonHugePages", 0.0),
-        "packed_file_resident_mb": file_resident / MIB,
-        "dense_copies_mb": dense / MIB,
-        "float_params_mb": sum(p.numel() * p.element_size() for p in ss.model.parameters()) / MIB,
-        # the head's float parameters and its packed copies (a released head's matrices are those alone)
-        "head_mb": (_param_bytes(ss.head) + sum(pl.nbytes for pl in ss.head.packed_linears())) / MIB, "kv_cache_mb": kv, "kv_kb_per_token": kv_token / 1024,
-        "runtime_mb": runtime, "runtime_with_model_code_mb": modeling,
-        # a GGUF's lean tree (selfspec.models.lean) runs without transformers' model code
-        "model_code_imported": "transformers.modeling_utils" in sys.modules,
-        "bound_mb": BOUND_FACTOR * gguf + kv + runtime if gguf else None,
-    }
-
-
-@torch.inference_mode()
 def kernel_figures(ss: SelfSpec, sizes: list[int], reps: int, bandwidth: float) -> list[dict]:
     """Per block-quantized type in the model, its largest matrix through the kernel at each n: ms, GB/s of its
     packed bytes, GFLOP/s."""
@@ -213,33 +109,6 @@ def kernel_figures(ss: SelfSpec, sizes: list[int], reps: int, bandwidth: float) 
                         "gbps": qw.nbytes / t / GB, "bandwidth_fraction": qw.nbytes / t / GB / bandwidth,
                         "gflops": 2 * n * qw.shape[0] * qw.shape[1] / t / 1e9})
     return out
-
-
-def range_bytes(split: SplitModel, head, exit_layer: int) -> dict[str, int]:
-    """Bytes of weights each range reads: its decoder layers, plus the final norm and the whole LM head
-    weight for full / deep (tied or not); for the head, its own parameters plus the LM head rows it
-    computes (the trimmed vocabulary if any) and, for the 'lm' head, the target's final norm. The head's own
-    weights are what it drafts with (``ExitHead.draft_reads``: its packed copies once ``prepare`` built them)."""
-    layers = [_param_bytes(layer) for layer in split.layers]
-    lm = _param_bytes(split.lm_head)
-    top = _param_bytes(split.norm) + lm
-    k, L = exit_layer, split.num_layers
-    rows = len(head.vocab_ids) or split.vocab_size
-    head_bytes = head.draft_reads()[0] + lm * rows // split.vocab_size
-    if head.kind == "lm":
-        head_bytes += _param_bytes(split.norm)
-    return {"full": sum(layers) + top, "greedy": sum(layers) + top, "shallow": sum(layers[:k]), "deep": sum(layers[k:L]) + top,
-            "head": head_bytes}
-
-
-def range_weights(split: SplitModel, head, exit_layer: int) -> dict[str, int]:
-    """Matrix weights each range multiplies with (for GFLOP/s), counted like ``range_bytes``."""
-    layers = [_matrix_weights(layer) for layer in split.layers]
-    lm = split.vocab_size * split.hidden_size
-    rows = len(head.vocab_ids) or split.vocab_size
-    k, L = exit_layer, split.num_layers
-    return {"full": sum(layers) + lm, "greedy": sum(layers) + lm, "shallow": sum(layers[:k]), "deep": sum(layers[k:L]) + lm,
-            "head": head.draft_reads()[1] + rows * split.hidden_size}
 
 
 def default_exit_layer(ss: SelfSpec) -> int:
@@ -361,129 +230,6 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
     if plot is not None:
         write_plot(result, plot)
     return result
-
-
-# ---- report ------------------------------------------------------------------------------------
-def format_tables(result: dict) -> str:
-    """One Markdown table per context: rows backend x range, columns n as "ms (ratio)", GB/s at n = 1."""
-    sizes = result["block_sizes"]
-    bw = result["bandwidth_gbps"]
-    info = result["model_info"]
-    parts = [f"{result['model_id']}: {info['num_layers']} layers, exit layer {info['exit_layer']} "
-             f"(head '{info['head']}'), {info['dtype']}, {result['machine']['threads']} threads; "
-             f"measured read bandwidth {bw:.1f} GB/s; kernels: "
-             + ", ".join(f"{b} = {k}" for b, k in result["kernels"].items())]
-    by_ctx: dict[int, list[dict]] = {}
-    for f in result["figures"]:
-        by_ctx.setdefault(f["table_context"], []).append(f)
-    for c, figs in by_ctx.items():
-        cells = {(f["backend"], f["range"], f["n"]): f for f in figs}
-        rows = list(dict.fromkeys((f["backend"], f["range"]) for f in figs))
-        head = "| backend | range | " + " | ".join(f"n={n} ms (ratio)" for n in sizes) + \
-               f" | GB/s n=1 | % of bw | floor ms | GFLOP/s n={sizes[-1]} |"
-        lines = [f"\ncontext {c}:", "", head, "|" + "---|" * (len(sizes) + 6)]
-        for b, r in rows:
-            one = cells[b, r, 1]
-            vals = " | ".join(f"{cells[b, r, n]['ms']:.2f} ({cells[b, r, n]['ratio']:.2f})" for n in sizes)
-            lines.append(f"| {b} | {r} | {vals} | {one['gbps']:.1f} | {100 * one['bandwidth_fraction']:.0f}% "
-                         f"| {one['floor_ms']:.2f} | {cells[b, r, sizes[-1]].get('gflops', float('nan')):.0f} |")
-        parts.append("\n".join(lines))
-    mem = result.get("memory")
-    if mem:
-        parts.append(format_memory(mem))
-    kf = result.get("quantized_kernels") or []
-    if kf:
-        lines = ["\nquantized kernels (each type's largest matrix):", "",
-                 "| type | shape | " + " | ".join(f"n={n} ms / GB/s / GFLOP/s" for n in sizes) + " |",
-                 "|" + "---|" * (len(sizes) + 2)]
-        for t in dict.fromkeys(f["type"] for f in kf):
-            cell = {f["n"]: f for f in kf if f["type"] == t}
-            shape = "x".join(map(str, cell[sizes[0]]["shape"]))
-            lines.append(f"| {t} | {shape} | " + " | ".join(
-                f"{cell[n]['ms']:.3f} / {cell[n]['gbps']:.1f} / {cell[n]['gflops']:.0f}" for n in sizes) + " |")
-        parts.append("\n".join(lines))
-    return "\n".join(parts)
-
-
-def format_memory(mem: dict) -> str:
-    """The resident memory after load, what it is made of and the bound it is checked against (MiB)."""
-    gguf = f", GGUF file {mem['gguf_mb']:.0f} MB" if mem.get("gguf_mb") else ""
-    lines = [f"\nresident memory after load: {mem['rss_after_load_mb']:.0f} MB (loaded with its head drafting, gamma=4: "
-             f"a default load whose calibration turns the head off holds less, ExitHead.unload); weights read per "
-             f"step {mem['weights_mb']:.0f} MB{gguf}"]
-    if "packed_mb" in mem:  # results written before the breakdown have only the lines above
-        ratio = f" = {mem['packed_mb'] / mem['gguf_mb']:.2f} x the GGUF" if mem.get("gguf_mb") else ""
-        lines += [
-            f"- runtime: {mem['runtime_mb']:.0f} MB (python + torch + transformers imported), "
-            f"{mem['runtime_with_model_code_mb']:.0f} MB with transformers' model code imported"
-            + ("" if mem.get("model_code_imported", True) else " (not imported here: the lean model tree)"),
-            f"- packed weights: {mem['packed_mb']:.1f} MB{ratio}, {mem.get('packed_pages_mb', 0.0):.1f} MB of them "
-            f"read into one buffer of 2 MB pages ({mem.get('huge_pages_mb', 0.0):.0f} MB of the process in huge pages), "
-            f"{mem['packed_mapped_mb']:.1f} MB mapped from the cache file ({mem['packed_file_resident_mb']:.1f} MB of "
-            f"its pages resident), the rest in other memory; dense float32 copies: {mem['dense_copies_mb']:.1f} MB",
-            f"- float parameters: {mem['float_params_mb']:.1f} MB; exit head: {mem['head_mb']:.1f} MB",
-            f"- KV caches alive: {mem['kv_cache_mb']:.1f} MB (each request makes its own, sized to it: "
-            f"{mem['kv_kb_per_token']:.1f} KB per token)",
-        ]
-        if mem.get("bound_mb"):
-            rss = max(mem["rss_after_load_mb"], mem["rss_all_weights_read_mb"])
-            line = (f"- {rss:.0f} MB once every packed page has been read, against the bound {BOUND_FACTOR} x "
-                    f"GGUF + KV caches + runtime: {mem['bound_mb']:.0f} MB ({rss - mem['bound_mb']:+.0f} MB)")
-            if mem.get("model_code_imported", True):
-                extra = mem["runtime_with_model_code_mb"] - mem["runtime_mb"]
-                line += (f"; counting the runtime with transformers' model code: {mem['bound_mb'] + extra:.0f} MB "
-                         f"({rss - mem['bound_mb'] - extra:+.0f} MB)")
-            lines.append(line)
-    return "\n".join(lines)
-
-
-def write_plot(result: dict, path: str | Path) -> Path:
-    """ms vs n per range (fast solid, reference dashed, log-x) with the bandwidth floor of "full", and
-    t(n) / t(1) vs n, at the first context."""
-    # lazy: matplotlib is a heavy import, needed only when a plot is drawn
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    c = result["config"]["contexts"][0]
-    figs = [f for f in result["figures"] if f["table_context"] == c]
-    styles = {"fast": "-", "reference": "--"}
-    colors = dict(zip(RANGES, ("C0", "C4", "C1", "C2", "C3")))
-    fig = Figure(figsize=(11, 4.2))
-    FigureCanvasAgg(fig)
-    ax_ms, ax_ratio = fig.subplots(1, 2)
-    for b in dict.fromkeys(f["backend"] for f in figs):
-        for r in RANGES:
-            pts = sorted((f["n"], f["ms"], f["ratio"]) for f in figs if f["backend"] == b and f["range"] == r)
-            if not pts:
-                continue
-            ns = [p[0] for p in pts]
-            kw = {"color": colors[r], "linestyle": styles.get(b, ":"), "marker": "o", "markersize": 3,
-                  "label": f"{r} ({b})"}
-            ax_ms.plot(ns, [p[1] for p in pts], **kw)
-            ax_ratio.plot(ns, [p[2] for p in pts], **kw)
-    floor = next((f["floor_ms"] for f in figs if f["range"] == "full"), None)
-    if floor is not None:
-        ax_ms.axhline(floor, color="k", linewidth=0.8, linestyle=":",
-                      label=f"full: bandwidth floor ({result['bandwidth_gbps']:.1f} GB/s)")
-    ns = result["block_sizes"]
-    ax_ratio.plot(ns, ns, color="0.6", linewidth=0.8, linestyle=":", label="t(n) = n t(1)")
-    info = result["model_info"]
-    for ax, ylabel in ((ax_ms, "ms per forward"), (ax_ratio, "t(n) / t(1)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ns, [str(n) for n in ns])
-        ax.set_xlabel("block size n (new tokens)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-    ax_ms.set_ylim(bottom=0)
-    ax_ms.legend(fontsize=7)
-    ax_ratio.legend(fontsize=7)
-    fig.suptitle(f"{result['model_id']}: forward cost, context {c}, exit layer {info['exit_layer']} of "
-                 f"{info['num_layers']}, {info['dtype']}, {result['machine']['threads']} threads", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
 
 
 # ---- command line ------------------------------------------------------------------------------

@@ -34,13 +34,8 @@ from typing import Any
 import torch
 
 from selfspec.api import SelfSpec
-from selfspec.bench.specbench import (
-    DEFAULT_QUESTIONS,
-    load_questions,
-    machine_info,
-    select_questions,
-    turn_prompt,
-)
+from selfspec.bench.manifest import machine_info
+from selfspec.bench.questions import DEFAULT_QUESTIONS, load_questions, select_questions, turn_prompt
 from selfspec.config import (
     GenerateConfig,
     ModelConfig,

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from selfspec.bench.report import load_run, summarize
+from selfspec.bench.answers import load_run
+from selfspec.bench.summary import summarize
 from selfspec.errors import InvalidConfigError
 from selfspec.machine import cpu_info
 from selfspec.paths import atomic_write_text

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.api import SelfSpec
-from selfspec.bench.specbench import DEFAULT_QUESTIONS, load_questions, select_questions
+from selfspec.bench.questions import DEFAULT_QUESTIONS, load_questions, select_questions
 from selfspec.config import GenerateConfig, ModelConfig, add_command, config_from_args, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.paths import atomic_write_text

@@ -18,172 +18,42 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import selfspec
 from selfspec.api import SelfSpec
 from selfspec.bench import llamacpp, results
-from selfspec.bench.methods import Method, resolve_methods, run_turn
-from selfspec.bench.report import (
-    GROUPS,
-    MT_BENCH_CATEGORIES,
-    compare_runs,
-    compute_divergences,
-    group_of,
-    read_answers,
-    write_report,
+from selfspec.bench.answers import AnswerFile
+from selfspec.bench.config import BenchConfig
+from selfspec.bench.divergences import compute_divergences
+from selfspec.bench.manifest import open_manifest, write_json
+from selfspec.bench.methods import Method, resolve_methods
+from selfspec.bench.questions import (
+    DEFAULT_QUESTIONS,
+    Question,
+    load_questions,
+    select_questions,
+    turn_prompt,
 )
-from selfspec.config import GenerateConfig, ModelConfig, add_config_args, config_from_args, opt
+from selfspec.bench.report import write_report
+from selfspec.bench.tables import compare_runs
+from selfspec.bench.turn import run_turn
+from selfspec.config import ModelConfig, add_config_args, config_from_args
 from selfspec.errors import InvalidConfigError
 from selfspec.progress import progress
 
-DEFAULT_QUESTIONS = "../shared/specbench/question.jsonl"
-FORMAT = "selfspec-specbench/1"
 WARMUP_PROMPT = "Write two sentences about rivers and the sea, then one about mountains."
 
 
-@dataclass
-class BenchConfig:
-    """Settings of ``selfspec bench`` (Spec-Bench harness)."""
-
-    questions: str = opt(DEFAULT_QUESTIONS, "Spec-Bench question file (JSONL: question_id, category, turns).")
-    out: str = opt("runs/specbench", "Run directory; rerunning with the same one resumes the run.")
-    max_new_tokens: int = opt(256, "Most new tokens per turn.")
-    limit: int | None = opt(None, "Questions per group (mt_bench, translation, ...), evenly spaced; None: all.")
-    categories: list[str] = opt([], "Only these groups (mt_bench, translation, summarization, qa, "
-                                    "math_reasoning, rag) or question categories; repeat or comma-separate.")
-    methods: list[str] = opt([], "Methods to time (see selfspec.bench.methods; repeat or comma-separate). "
-                                 "Default: hf, hf-prompt-lookup, hf-early-exit, plain, selfspec-lm[-POLICY] for "
-                                 "every policy, and selfspec-trained[-POLICY] when a trained head is available.",
-                            comma_separated=False)  # specs hold commas (selfspec:a=1,b=2): split_specs splits
-    exit_layer: int | None = opt(None, "Exit layer of selfspec-lm and hf-early-exit (None: the trained head's "
-                                       "layer, else L // 4).")
-    head: str = opt("auto", "Trained head directory of the selfspec-trained methods ('auto': the bundled "
-                            "head of the model if any; 'lm': none).")
-    gamma: int = opt(4, "Most draft tokens per step of the selfspec methods (unless a spec sets it).")
-    threshold: float = opt(0.6, "Threshold of the confidence policy (unless a spec sets it).")
-    prompt_lookup_num_tokens: int = opt(10, "Candidate tokens of hf-prompt-lookup.")
-    warmup: int = opt(16, "New tokens of the untimed warm-up generation of each method (0: none).")
-    keep_drafters: bool = opt(False, "Keep each selfspec method's drafter across its turns, as its own server keeps "
-                                     "it (its lookup policies learn across requests). False: built afresh each "
-                                     "turn, an adaptive policy starting anew (every run so far).")
-    baseline: str = opt("hf", "Method the speedups and token identity are measured against.")
-    divergences: bool = opt(True, "After the run, explain every answer that differs from the baseline "
-                                  "(first differing token, target's top-2 logit margin): divergences.json.")
-    near_tie: float = opt(1e-3, "A divergence is a near-tie when the margin <= near_tie * max(1, |top-1 logit|).")
-    results: str | None = opt(None, "After the run, keep its results file under this directory (RESULTS/<cpu>/"
-                                    "<date>-<model>-<tokens>.json, replacing the same CPU kind, model and length): "
-                                    "what `selfspec bench report RESULTS --write-docs` renders.")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# ---- questions -------------------------------------------------------------------------------
-@dataclass
-class Question:
-    question_id: int
-    category: str
-    turns: list[str]
-
-    @property
-    def group(self) -> str:
-        return group_of(self.question_id, self.category)
-
-
-def load_questions(path: str | Path) -> list[Question]:
-    """Read a Spec-Bench question file; a bad line is an error naming the file and line number."""
-    path = Path(path)
-    if not path.is_file():
-        raise InvalidConfigError(f"question file '{path}' does not exist")
-    out: list[Question] = []
-    seen: set[int] = set()
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InvalidConfigError(f"{path}, line {i}: not valid JSON ({e.msg})") from e
-        qid, cat, turns = (d.get(k) if isinstance(d, dict) else None for k in ("question_id", "category", "turns"))
-        if not isinstance(qid, int) or isinstance(qid, bool):
-            raise InvalidConfigError(f"{path}, line {i}: 'question_id' must be an integer, got {qid!r}")
-        if not isinstance(cat, str) or not cat:
-            raise InvalidConfigError(f"{path}, line {i}: 'category' must be a non-empty string, got {cat!r}")
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-            raise InvalidConfigError(f"{path}, line {i}: 'turns' must be a non-empty list of non-empty strings")
-        if qid in seen:
-            raise InvalidConfigError(f"{path}, line {i}: question_id {qid} appears twice")
-        seen.add(qid)
-        out.append(Question(qid, cat, turns))
-    if not out:
-        raise InvalidConfigError(f"question file '{path}' has no questions")
-    return out
-
-
-def select_questions(questions: list[Question], categories: list[str], limit: int | None) -> list[Question]:
-    """Filter by group / category names, then keep ``limit`` evenly spaced questions per group."""
-    wanted = {c.strip() for v in categories for c in v.split(",") if c.strip()}
-    known = {q.group for q in questions} | {q.category for q in questions}
-    unknown = sorted(wanted - known)
-    if unknown:
-        raise InvalidConfigError(f"unknown categories {unknown} (known: {', '.join(sorted(known))})")
-    chosen = [q for q in questions if not wanted or q.group in wanted or q.category in wanted]
-    if limit is None:
-        return chosen
-    if limit < 1:
-        raise InvalidConfigError(f"limit must be >= 1, got {limit}")
-    by_group: dict[str, list[Question]] = {}
-    for q in chosen:
-        by_group.setdefault(q.group, []).append(q)
-    keep: set[int] = set()  # question ids
-    for qs in by_group.values():
-        n = min(limit, len(qs))
-        keep.update(qs[i * len(qs) // n].question_id for i in range(n))
-    return [q for q in chosen if q.question_id in keep]
-
-
 # ---- answers -----------------------------------------------------------------------------------
-class AnswerFile:
-    """One method's answers: a JSONL file, appended one durable line per finished question."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-    def load(self) -> dict[int, dict]:
-        return read_answers(self.path, repair=True)
-
-    def append(self, record: dict) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-
 def answer_text(ss: SelfSpec, token_ids: list[int]) -> str:
     """The text of a turn as the next turn's prompt sees it: special tokens (EOS) dropped, stripped."""
     ids = token_ids[:-1] if token_ids and token_ids[-1] in ss.eos_token_ids else token_ids
     return ss.tokenizer.decode(ids, skip_special_tokens=True).strip()
-
-
-def turn_prompt(ss: SelfSpec, q: Question, answers: list[str], turn: int) -> list[int]:
-    """Prompt ids of turn ``turn``: the earlier user turns and the given earlier answers, chat template."""
-    messages: list[dict[str, str]] = []
-    for t in range(turn):
-        messages += [{"role": "user", "content": q.turns[t]}, {"role": "assistant", "content": answers[t]}]
-    return ss.encode(messages + [{"role": "user", "content": q.turns[turn]}])
 
 
 def answer_question(ss: SelfSpec, method: Method, q: Question, max_new_tokens: int, reuse: bool = False,
@@ -212,75 +82,12 @@ def answer_question(ss: SelfSpec, method: Method, q: Question, max_new_tokens: i
             "choices": [{"index": 0, **c}], "tstamp": time.time()}
 
 
-# ---- manifest ----------------------------------------------------------------------------------
-def machine_info() -> dict[str, Any]:
-    import transformers  # lazy: a heavy import, loaded anyway once a model is (selfspec.models.loading)
-
-    cpu = ""
-    try:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-            "versions": {"selfspec": selfspec.__version__, "torch": torch.__version__,
-                         "transformers": transformers.__version__},
-            "git": commit}
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
-
-
-def open_manifest(run: Path, cfg: BenchConfig, model_cfg: ModelConfig | None, ss: SelfSpec,
-                  methods: list[Method]) -> dict[str, Any]:
-    """Create the manifest, or check a resumed run is the same experiment and record this resumption."""
-    path = run / "manifest.json"
-    now = time.strftime("%Y-%m-%d %H:%M:%S")
-    settings = {m.name: m.settings() for m in methods}
-    gen = GenerateConfig(max_new_tokens=cfg.max_new_tokens, ignore_eos=False)
-    model = {"model_id": ss.model_id, "num_layers": ss.split.num_layers, "vocab_size": ss.split.vocab_size,
-             "dtype": str(ss.split.dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in ss.model.parameters())}
-    if path.is_file():
-        m = json.loads(path.read_text())
-        problems = []
-        if m["model"]["model_id"] != ss.model_id:
-            problems.append(f"model {m['model']['model_id']} vs {ss.model_id}")
-        if m["generate"]["max_new_tokens"] != cfg.max_new_tokens:
-            problems.append(f"max_new_tokens {m['generate']['max_new_tokens']} vs {cfg.max_new_tokens}")
-        for name, s in settings.items():
-            old = m["methods"].get(name)
-            if old is not None and json.loads(json.dumps(old)) != json.loads(json.dumps(s)):
-                problems.append(f"method {name}: {old} vs {s}")
-        if problems:
-            raise InvalidConfigError(f"'{run}' holds a different run ({'; '.join(problems)}): use another --out")
-        m["methods"].update(settings)
-        m["method_order"] += [n for n in settings if n not in m["method_order"]]
-    else:
-        run.mkdir(parents=True, exist_ok=True)
-        m = {"format": FORMAT, "created": now, "model": model, "model_config": asdict(model_cfg) if model_cfg else None,
-             "generate": asdict(gen), "baseline": cfg.baseline, "methods": settings, "method_order": list(settings),
-             "sessions": []}
-    m["sessions"].append({"started": now, "finished": None, "bench": asdict(cfg), "machine": machine_info(),
-                          "methods": list(settings)})
-    _write_json(path, m)
-    return m
-
-
 # ---- the run -----------------------------------------------------------------------------------
 def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSpec | None = None,
               on_answer: Callable[[str, int], None] | None = None) -> str:
     """Run (or resume) the benchmark; returns the summary as markdown. ``ss`` lets a caller pass an
     already loaded model; ``on_answer(method, question_id)`` is called after each durable answer."""
-    from transformers.utils import logging as hf_logging  # lazy: as in machine_info
+    from transformers.utils import logging as hf_logging  # lazy: as in selfspec.bench.manifest.machine_info
 
     questions = load_questions(cfg.questions)
     chosen = select_questions(questions, cfg.categories, cfg.limit)
@@ -305,7 +112,7 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
         def skip(m: Method, e: Exception) -> None:  # such a peer is recorded and left out; the others go on
             failed[m.name] = str(e)
             manifest["methods"][m.name]["failed"] = str(e)
-            _write_json(run / "manifest.json", manifest)
+            write_json(run / "manifest.json", manifest)
             print(f"selfspec bench: {m.name} does not run on this machine, skipped: {e}", file=sys.stderr)
 
         if pending and cfg.warmup > 0:  # not a question's prompt: no cache then holds one
@@ -343,13 +150,13 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
             known = json.loads(div_path.read_text()) if div_path.is_file() else []
             divs = compute_divergences(ss, lambda qid, t: turn_prompt(ss, by_id[qid], texts[qid], t), done,
                                        cfg.baseline, cfg.near_tie, known)
-            _write_json(div_path, divs)
+            write_json(div_path, divs)
     finally:
         llamacpp.stop_all()
         hf_logging.set_verbosity(verbosity)
         ss.prefix_cache.entries = OrderedDict()
     manifest["sessions"][-1]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    _write_json(run / "manifest.json", manifest)
+    write_json(run / "manifest.json", manifest)
     return write_report(run, cfg.baseline)
 
 
@@ -412,7 +219,3 @@ def add_parser(sub: Any) -> None:
                             "[--compare RUN] (see selfspec bench --help).")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd)
-
-
-__all__ = ["GROUPS", "MT_BENCH_CATEGORIES", "BenchConfig", "Question", "load_questions", "run_bench",
-           "select_questions"]
