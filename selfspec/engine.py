@@ -68,7 +68,7 @@ class Engine:
         self.prefix = prefix  # earlier prompts' keys and values (selfspec.prefix_cache), None: every prompt prefilled
         # a list: every round of generate_tokens appends its RoundRecord (kind, drafts, wall time: bench-rounds)
         self.round_log: list[RoundRecord] | None = None
-        self._tails_exact: bool | None = None  # whether a prefill's last layer may skip rows (``prefill_keep``)
+        self._tails_exact: bool | None = None  # whether a prefill's last layer may skip rows (``prefill_tail``)
 
     # ---- pieces -----------------------------------------------------------------------
     def need_drafter(self) -> Drafter:
@@ -119,8 +119,8 @@ class Engine:
         drafter = self.need_drafter()
         return None if gen.method == "selfspec" and drafter.prompt_rows_needed() == 0 else drafter.depth_of(seq)
 
-    def prefill_keep(self, gen: GenerateConfig, speculative: bool, capture: int | None) -> int | None:
-        """How many of a prefill's last rows need their last-layer states (``SplitModel.run_layers``'s ``keep``; the
+    def prefill_tail(self, gen: GenerateConfig, speculative: bool, capture: int | None) -> int | None:
+        """How many of a prefill's last rows need their last-layer states (``SplitModel.run_layers``'s ``tail``; the
         rest only their keys and values): the last row's logits, and what the drafter reads of the prompt's final
         states (``prompt_rows_needed``), but never under PANEL_ROWS, so that every row the prefill does compute has
         the bits a whole prompt's prefill gives it. None (every row) where that cannot be promised
@@ -140,7 +140,7 @@ class Engine:
         capture = self.capture_depth(seq, gen) if drafter is not None else None
         h_k, h = core.prefill(self.split, seq, prompt_ids, gen, capture, first,
                               None if drafter is None else drafter.context_layers,
-                              keep=self.prefill_keep(gen, speculative, capture))
+                              tail=self.prefill_tail(gen, speculative, capture))
         if drafter is not None and capture is not None:
             drafter.start(seq, h_k, h, first)
         return seq.pending
@@ -220,14 +220,14 @@ class Engine:
         if gen.greedy:  # only each row's argmax is needed (split.greedy_ids: the LM head's screen)
             ids = self.split.greedy_ids(h)[0] if target_logits is None else greedy(target_logits[0])  # [rows]
             if block.tree is not None:
-                keep, nxt = core.greedy_tree(block, ids)
-                return core.commit_path(seq, self.need_drafter(), block, keep, nxt, final, stats)
+                path, nxt = core.greedy_tree(block, ids)
+                return core.commit_path(seq, self.need_drafter(), block, path, nxt, final, stats)
             m, nxt = core.greedy_chain(block.tokens, ids.tolist())
             return core.commit(seq, self.drafter, block, m, nxt, final, stats)
         target_logits = self.split.logits(h) if target_logits is None else target_logits
         if block.tree is not None:
-            keep, nxt = core.verify_tree(gen, block, target_logits[0], seq.generator)
-            return core.commit_path(seq, self.need_drafter(), block, keep, nxt, final, stats)
+            path, nxt = core.verify_tree(gen, block, target_logits[0], seq.generator)
+            return core.commit_path(seq, self.need_drafter(), block, path, nxt, final, stats)
         m, nxt = core.verify_chain(gen, block.tokens, block.probs, target_logits, seq.generator)
         return core.commit(seq, self.drafter, block, m, nxt, final, stats)
 

@@ -128,14 +128,14 @@ class PrefixCache:
     def clear(self) -> None:
         self.entries.clear()
 
-    def reuse(self, prompt: list[int], cache: KVCache, keep: int) -> int:
+    def reuse(self, prompt: list[int], cache: KVCache, leave: int) -> int:
         """Copy into ``cache`` (empty) the keys and values of the longest cached prefix of ``prompt`` that leaves
-        at least ``keep`` rows (>= MIN_ROWS) to prefill. -> how many positions were copied (0: none)."""
+        at least ``leave`` rows (>= MIN_ROWS) to prefill. -> how many positions were copied (0: none)."""
         if self.off is not None:
             return 0
         best, n = None, 0
         for key, e in self.entries.items():
-            m = min(common_prefix(e.tokens, prompt), len(prompt) - max(keep, MIN_ROWS))
+            m = min(common_prefix(e.tokens, prompt), len(prompt) - max(leave, MIN_ROWS))
             if m > n:
                 best, n = key, m
         if best is None:

@@ -33,22 +33,22 @@ from selfspec.verify import greedy_tree_verify, speculative_verify, tree_sample_
 
 def prefill(split: SplitModel, seq: SequenceState, prompt_ids: list[int], gen: GenerateConfig,
             capture: int | None = None, first: int = 0, context_layers: list[int] | None = None,
-            keep: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+            tail: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The prompt through every layer into ``seq``'s cache; its first token becomes pending and ``seq.tokens``
     the prompt plus it. ``capture``: also return the states after this many layers (a drafter's exit states).
     ``first``: the cache already holds positions [0, first) (the prefix cache's), only the rest is computed.
     ``context_layers`` (each past ``capture``): the states after them follow the last layer's (``through_layers``).
-    ``keep``: only the last ``keep`` rows' last-layer states are needed (``SplitModel.run_layers``; the rows before
+    ``tail``: only the last ``tail`` rows' last-layer states are needed (``SplitModel.run_layers``; the rows before
     them hold their states entering the last layer).
     -> (captured states ``# [1, P - first, hidden]`` or None, last-layer states ``# [1, P - first, hidden]``,
     or ``# [1, P - first, hidden * (1 + C)]`` with C context layers)."""
     ids = torch.tensor([prompt_ids[first:]], dtype=torch.long, device=split.device)
     pos = seq.positions(first, len(prompt_ids) - first)
     if capture is None:
-        h_k, h, ctx = None, split.run_layers(split.embed(ids), 0, split.num_layers, pos, seq.cache, keep=keep), None
+        h_k, h, ctx = None, split.run_layers(split.embed(ids), 0, split.num_layers, pos, seq.cache, tail=tail), None
     else:
         h_k = split.run_layers(split.embed(ids), 0, capture, pos, seq.cache)
-        h, ctx = through_layers(split, Ride(capture, h_k, pos, seq.cache, keep=keep), context_layers)
+        h, ctx = through_layers(split, Ride(capture, h_k, pos, seq.cache, tail=tail), context_layers)
     take_first(seq, prompt_ids, split.logits(h[:, -1:])[0, -1], gen)
     return h_k, h if ctx is None else ctx
 
@@ -60,10 +60,10 @@ def through_layers(split: SplitModel, ride: Ride, context_layers: list[int] | No
     ``# [1, n, hidden * (1 + C)]``: what a deep head with fused features keeps of verified tokens; else None)."""
     if not context_layers:
         return split.run_layers(ride.h, ride.layer, split.num_layers, ride.positions, ride.cache, tree=ride.tree,
-                                keep=ride.keep), None
+                                tail=ride.tail), None
     ride.context = tuple(context_layers)  # run_rides cuts its stages there and keeps the states (a batch's way too)
     h = split.run_rides([ride])[0]
-    return h, ride.kept(h)
+    return h, ride.with_contexts(h)
 
 
 def take_first(seq: SequenceState, prompt_ids: list[int], logits: torch.Tensor, gen: GenerateConfig) -> int:
@@ -158,17 +158,17 @@ def commit(seq: SequenceState, drafter: Drafter | None, block: DraftBlock, m: in
     return out
 
 
-def commit_path(seq: SequenceState, drafter: Drafter, block: DraftBlock, keep: list[int], nxt: int,
+def commit_path(seq: SequenceState, drafter: Drafter, block: DraftBlock, path: list[int], nxt: int,
                 final_states: torch.Tensor, stats: GenerationStats | None = None) -> list[int]:
-    """``commit`` for a token tree whose accepted path is the nodes ``keep`` (root first): their KV entries
+    """``commit`` for a token tree whose accepted path is the nodes ``path`` (root first): their KV entries
     move into place in every layer, then the path is committed as a chain; the policy learns from the depth
     the tree was drafted to. ``final_states`` ``# [1, nodes, hidden]``."""
     p = block.start
     assert block.tree is not None and block.exit_states is not None, "commit_path takes a token tree's block"
-    seq.cache.compact(p, keep)
-    path = DraftBlock([block.tree.tokens[i] for i in keep[1:]], None, block.exit_states[:, keep], start=p,
+    seq.cache.compact(p, path)
+    chain = DraftBlock([block.tree.tokens[i] for i in path[1:]], None, block.exit_states[:, path], start=p,
                       exit_layer=block.exit_layer)
-    return commit(seq, drafter, path, len(keep) - 1, nxt, final_states[:, keep], stats, proposed=block.levels)
+    return commit(seq, drafter, chain, len(path) - 1, nxt, final_states[:, path], stats, proposed=block.levels)
 
 
 def commit_plain(seq: SequenceState, nxt: int, stats: GenerationStats | None = None) -> list[int]:

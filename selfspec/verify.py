@@ -71,8 +71,8 @@ def speculative_verify(
 
 # ---- token trees (selfspec.drafting.tree) ------------------------------------------------------
 # A tree's nodes: ``parents[i]`` (-1 for the root, the pending token), ``tokens[i]``; parents come
-# before children. Verification accepts a root-to-node path ``keep`` (node indices, root first) and
-# emits its drafts plus one more token: len(keep) - 1 accepted, then recovered or bonus.
+# before children. Verification accepts a root-to-node ``path`` (node indices, root first) and
+# emits its drafts plus one more token: len(path) - 1 accepted, then recovered or bonus.
 
 
 def greedy_tree_verify(
@@ -80,7 +80,7 @@ def greedy_tree_verify(
 ) -> tuple[list[int], int]:
     """The longest path whose every draft equals the target's argmax after its parent; next = the
     target's argmax after the path's last node. Worked example: parents [-1, 0, 0, 1], tokens
-    [x, a, b, c], target argmax [b, ., 7, .]: a != b, b == b accepted, no child of b -> keep [0, 2],
+    [x, a, b, c], target argmax [b, ., 7, .]: a != b, b == b accepted, no child of b -> path [0, 2],
     next 7 (recovered)."""
     ids = target_ids.tolist()
     best = [0] * len(tokens)  # accepted drafts below each node
@@ -89,10 +89,10 @@ def greedy_tree_verify(
         p = parents[c]
         if tokens[c] == ids[p] and best[c] + 1 > best[p]:
             best[p], nxt_child[p] = best[c] + 1, c
-    keep = [0]
-    while nxt_child[keep[-1]] >= 0:
-        keep.append(nxt_child[keep[-1]])
-    return keep, ids[keep[-1]]
+    path = [0]
+    while nxt_child[path[-1]] >= 0:
+        path.append(nxt_child[path[-1]])
+    return path, ids[path[-1]]
 
 
 def tree_sample_verify(
@@ -106,9 +106,9 @@ def tree_sample_verify(
     renormalized, and the next child is tried against it. When no child is accepted the next token is
     drawn from what is left of p. Every step is an exact rejection sampler, so the output has exactly
     the target's distribution."""
-    keep = [0]
+    path = [0]
     while True:
-        node = keep[-1]
+        node = path[-1]
         p = target_probs[node]
         chosen = -1
         for c in (c for c, q in enumerate(parents) if q == node):
@@ -125,5 +125,5 @@ def tree_sample_verify(
                 break
             p = p / mass
         if chosen < 0:
-            return keep, int(torch.multinomial(p, 1, generator=generator))
-        keep.append(chosen)
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(chosen)

@@ -255,7 +255,7 @@ def test_a_prefills_last_layer_runs_only_the_rows_it_needs_with_a_full_prefills_
     ss, _ = deep_ss("llama", 0, gamma=3, lookup=2, quantize="Q4_0")
     ss.engine.drafter.head_context = 40
     want_rows = MIN_ROWS if method == "plain" else 41
-    assert ss.engine.prefill_keep(GenerateConfig(method=method), method == "selfspec", 0) == want_rows
+    assert ss.engine.prefill_tail(GenerateConfig(method=method), method == "selfspec", 0) == want_rows
     prompt = prompt_of(90, 8)
     ss.prefix_cache.clear()
     full, _ = full_prefill(ss, prompt, method)

@@ -62,7 +62,7 @@ def step(engine: Engine, entries: list[BatchEntry]) -> list[list[int]]:
         if e.prompt is not None:
             core.take_first(seq, e.prompt, lg[0, -1], e.gen)
             if e.speculative and ride.capture is not None:  # (None: the drafter reads nothing of the prompt)
-                engine.need_drafter().start(seq, ride.h if ride.capture == 0 else ride.captured, ride.kept(h), e.first)
+                engine.need_drafter().start(seq, ride.h if ride.capture == 0 else ride.captured, ride.with_contexts(h), e.first)
             engine.remember_prompt(seq, e.prompt, len(e.prompt) - e.first)
             out.append([seq.pending])
         elif not e.speculative:
@@ -72,7 +72,7 @@ def step(engine: Engine, entries: list[BatchEntry]) -> list[list[int]]:
                 block = DraftBlock([], None, None, start=seq.length, exit_layer=ride.capture)
             if block.exit_states is None and ride.capture is not None:
                 block.exit_states = ride.h if ride.capture == 0 else ride.captured
-            out.append(engine.accept(seq, e.gen, block, h, e.stats, lg, context=ride.kept(h) if ride.context else None))
+            out.append(engine.accept(seq, e.gen, block, h, e.stats, lg, context=ride.with_contexts(h) if ride.context else None))
     return out
 
 
@@ -92,7 +92,7 @@ def _ride(engine: Engine, e: BatchEntry, chain: DraftBlock | None,
         ids = torch.tensor([e.prompt[e.first :]], dtype=torch.long, device=split.device)
         capture = engine.capture_depth(seq, e.gen) if e.speculative else None
         return Ride(0, split.embed(ids), seq.positions(e.first, ids.shape[1]), seq.cache, capture=capture,
-                    keep=engine.prefill_keep(e.gen, e.speculative, capture)), None
+                    tail=engine.prefill_tail(e.gen, e.speculative, capture)), None
     if not e.speculative:
         return engine.ride_of(seq, None), None
     if chain is not None:

@@ -52,9 +52,9 @@ class Ride:
     captured: torch.Tensor | None = None  # ... here, # [1, n, hidden]
     context: tuple[int, ...] = ()  # and after each of these (a deep head's context layers, past ``layer``) ...
     contexts: list[torch.Tensor] = field(default_factory=list)  # ... here, in order, each # [1, n, hidden]
-    keep: int | None = None  # only the last ``keep`` rows' last-layer states are needed (``SplitModel.run_layers``)
+    tail: int | None = None  # only the last ``tail`` rows' last-layer states are needed (``SplitModel.run_layers``)
 
-    def kept(self, h: torch.Tensor) -> torch.Tensor:
+    def with_contexts(self, h: torch.Tensor) -> torch.Tensor:
         """The last-layer states ``h`` ``# [1, n, hidden]`` followed by the context layers' (``round.through_layers``)."""
         return torch.cat([h, *self.contexts], dim=-1) if self.context else h
 
@@ -145,20 +145,20 @@ class SplitModel:
         positions: torch.Tensor,  # [batch, n] absolute positions
         cache: KVCache,
         tree: TreeAttention | None = None,
-        keep: int | None = None,
+        tail: int | None = None,
     ) -> torch.Tensor:  # [batch, n, hidden]
         """Run decoder layers [start, end) on ``h``, appending their keys/values to ``cache``. With
         ``tree`` the n new tokens are nodes of a token tree (``positions``: prefix length + depth): each
         sees the cached prefix and the tree nodes ``tree.mask`` allows (itself and its ancestors).
-        ``keep``: only the last ``keep`` rows' states after the last layer are needed (a prefill's: its last row,
+        ``tail``: only the last ``tail`` rows' states after the last layer are needed (a prefill's: its last row,
         or what a drafter reads); that layer then runs attention and MLP on them alone (the fast layers with the
         compiled ops; ``Segment.tail``), the other rows only their keys and values, and the returned rows before
         them hold their states entering that layer. The caller keeps it >= PANEL_ROWS where a row must have a full
-        call's bits (``Engine.prefill_keep``)."""
+        call's bits (``Engine.prefill_tail``)."""
         if start >= end:
             return h
         if self.fast_layers:  # the fast layers' one path: a batch of one sequence
-            return self.run_layers_batch([h], start, end, [positions], [cache], [tree], [keep])[0]
+            return self.run_layers_batch([h], start, end, [positions], [cache], [tree], [tail])[0]
         n = h.shape[1]
         rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
@@ -186,14 +186,14 @@ class SplitModel:
         positions: list[torch.Tensor],  # per sequence [1, n_j] absolute positions
         caches: list[KVCache],  # per sequence: its own cache, its own length
         trees: list[TreeAttention | None] | None = None,
-        keeps: list[int | None] | None = None,  # per sequence: ``run_layers``'s ``keep``
+        tails: list[int | None] | None = None,  # per sequence: ``run_layers``'s ``tail``
     ) -> list[torch.Tensor]:  # per sequence [1, n_j, hidden]
         """``run_layers`` for several sequences in one pass: their rows are stacked so every weight is read
         once for all of them, and each sequence attends only to its own cache under its own mask (its
         length, positions and tree), so ragged batches need no padding and no realignment. Each result
         equals that sequence's own ``run_layers`` (up to float summation order in the linears)."""
         trees = trees or [None] * len(hs)
-        keeps = keeps or [None] * len(hs)
+        tails = tails or [None] * len(hs)
         if not self.fast_layers:
             return [self.run_layers(h, start, end, p, c, t) for h, p, c, t in zip(hs, positions, caches, trees)]
         if start >= end:
@@ -215,7 +215,7 @@ class SplitModel:
                 if key not in masks[j]:
                     masks[j][key] = block_mask(n, key[0], key[1], h.device, trees[j])
                 at = cache.reserve(i, n)  # first: reserving may grow (reallocate) this layer's buffers
-                tail = keeps[j] if i == self.num_layers - 1 else None
+                tail = tails[j] if i == self.num_layers - 1 else None
                 segments.append(Segment(offsets[j], n, tables[j][kind], masks[j][key], cache.keys[i], cache.values[i],
                                         at, trees[j] is None, tail))
             self.fast_layers[i].forward_segments(h, segments)
@@ -240,7 +240,7 @@ class SplitModel:
             on = [j for j, r in enumerate(rides) if r.layer <= lo]
             outs = self.run_layers_batch([cur[j] for j in on], lo, hi, [rides[j].positions for j in on],
                                          [rides[j].cache for j in on], [rides[j].tree for j in on],
-                                         [rides[j].keep for j in on])
+                                         [rides[j].tail for j in on])
             for j, h in zip(on, outs):
                 cur[j] = h
                 if rides[j].capture == hi:
