@@ -171,8 +171,9 @@ class DraftConfig:
     lookup_only: bool = opt(
         False,
         "Draft by lookup alone (n-gram matches in the prompt and the text so far; the token store if set): the head "
-        "never runs, as when the calibration finds that its drafts do not pay. Needs lookup > 0. Measures what the "
-        "head adds (docs/BENCHMARKS.md) and gives prompt-lookup decoding on selfspec's engine.",
+        "never runs. Needs lookup > 0. The resolved config says True also where the calibration finds that the "
+        "head's drafts do not pay (unless explore). Measures what the head adds (docs/BENCHMARKS.md) and gives "
+        "prompt-lookup decoding on selfspec's engine.",
     )
     tree_width: int | None = opt(
         None,

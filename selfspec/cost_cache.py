@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from selfspec.costs import DraftCosts, measure_draft_costs, time_layers
-from selfspec.heads.base import ExitHead, head_identity, model_fingerprint
+from selfspec.heads.base import ExitHead
+from selfspec.heads.identity import head_identity, model_fingerprint
 from selfspec.kernels.build import cpu_flags, kernel_source_hash
 from selfspec.machine import cpu_info
 from selfspec.models.split import SplitModel

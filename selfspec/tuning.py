@@ -41,7 +41,8 @@ from selfspec.costs import DraftCosts, acceptance_needed, best_gamma, measure_dr
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import FixedPolicy
 from selfspec.engine import MAX_TREE_NODES, Engine
-from selfspec.heads.base import ExitHead, head_identity, model_fingerprint
+from selfspec.heads.base import ExitHead
+from selfspec.heads.identity import head_identity, model_fingerprint
 from selfspec.kernels.build import kernel_source_hash
 from selfspec.memory import trim_heap
 from selfspec.models.split import SplitModel
@@ -144,12 +145,12 @@ class _Recorder(FixedPolicy):
         self._confs = []
         return gamma
 
-    def keep(self, index: int, top1_prob: float) -> bool:
+    def go_on(self, index: int, top1_prob: float) -> bool:
         self._confs.append(top1_prob)
         return True
 
     def first_bar(self) -> float | None:
-        return -math.inf  # keeps every draft (keep is still called with the first draft's confidence: recorded)
+        return -math.inf  # makes every draft (go_on is still called with the first draft's confidence: recorded)
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.rounds.append((self._confs[:proposed] or [1.0] * proposed, accepted))

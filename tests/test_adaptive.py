@@ -15,7 +15,8 @@ from test_engine_equality import NEW, prompt_of
 
 from selfspec import DraftConfig, SelfSpec
 from selfspec.costs import DraftCosts, acceptance_needed, speedup
-from selfspec.drafting.policies import ConfidencePolicy, DepthBandit, FixedPolicy, ThompsonPolicy
+from selfspec.drafting.policies import ConfidencePolicy, FixedPolicy, ThompsonPolicy
+from selfspec.drafting.policy_tables import DepthBandit
 from selfspec.errors import ExitLayerError, HeadMismatchError, InvalidConfigError
 from selfspec.heads.io import load_head, new_head, save_head
 from selfspec.kernels.build import cpu_extension
@@ -74,7 +75,7 @@ def test_thompson_drafts_more_when_acceptance_is_high():
             n = p.max_drafts(8)
             kept = n
             for i in range(1, n):  # the per-token decision can end the round early
-                if not p.keep(i, 1.0):
+                if not p.go_on(i, 1.0):
                     kept = i
                     break
             accepted = 0
@@ -90,7 +91,7 @@ def test_thompson_drafts_more_when_acceptance_is_high():
 
 def test_thompson_defers_to_the_confidence_stop():
     p = ThompsonPolicy(ConfidencePolicy(0.5), costs(), prior=0.99, strength=1000.0)
-    assert p.keep(0, 0.9) and not p.keep(0, 0.2) and p.needs_confidence
+    assert p.go_on(0, 0.9) and not p.go_on(0, 0.2) and p.needs_confidence
 
 
 def test_thompson_prices_blank_rounds_and_stops_running_a_head_the_confidence_stop_refuses():
@@ -107,7 +108,7 @@ def test_thompson_prices_blank_rounds_and_stops_running_a_head_the_confidence_st
                 continue
             ran += 1
             passed = float(torch.rand(1, generator=g)) < pass_rate
-            if not p.keep(0, 0.9 if passed else 0.1):
+            if not p.go_on(0, 0.9 if passed else 0.1):
                 p.observe(0, 0)  # blank
                 continue
             p.observe(1, int(float(torch.rand(1, generator=g)) < 0.6))
@@ -379,7 +380,7 @@ def test_when_no_early_exit_draft_pays_only_lookup_drafts_unless_exploring():
     """The same exit that never agrees, with lookup on: by default (explore=False) the head never drafts (every
     round is a lookup block or a plain step); explore=True lets Thompson try one-token drafts. Both lossless."""
     ss = SelfSpec(tiny_model("qwen2"), tiny_tokenizer(), DraftConfig(head="lm", exit_layer=1))
-    assert ss.tuning_result.gamma == 0 and not ss.engine.drafter.head_drafts
+    assert ss.tuning_result.gamma == 0 and ss.engine.drafter.lookup_only and ss.draft_config.lookup_only
     prompt = prompt_of(9, 4) * 3  # repeats: lookup has matches
     ref = hf_greedy(ss.model, prompt, 40)
     # with the head off the prefill and every round (a plain step or a lookup block) are one pass through every
@@ -406,18 +407,18 @@ def test_when_no_early_exit_draft_pays_only_lookup_drafts_unless_exploring():
     L = split.num_layers
     assert set(spans) == {(0, L)}  # the prefill's pass too: it keeps no exit states (Engine.capture_depth)
     ss.set_draft(DraftConfig(head="lm", exit_layer=1, explore=True))
-    assert ss.engine.drafter.head_drafts
+    assert not ss.engine.drafter.lookup_only and not ss.draft_config.lookup_only
     assert ss.generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids == ref
 
 
 def test_lookup_only_never_runs_the_head():
     """lookup_only: the head stays off even where the calibration would let it draft; lossless; lookup=0 refused."""
     ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(), DraftConfig(head="lm", exit_layer=1, gamma=2, policy="fixed"))
-    assert ss.engine.drafter.head_drafts
+    assert not ss.engine.drafter.lookup_only
     prompt = prompt_of(7, 4) * 3  # repeats: lookup has matches
     ref = hf_greedy(ss.model, prompt, 40)
     ss.set_draft(DraftConfig(head="lm", exit_layer=1, gamma=2, policy="fixed", lookup_only=True))
-    assert not ss.engine.drafter.head_drafts
+    assert ss.engine.drafter.lookup_only
     out = ss.generate(prompt, max_new_tokens=40, ignore_eos=True)
     assert out.token_ids == ref and out.stats.draft_depths == {} and out.stats.lookup_steps > 0
     before = ss.draft_config
@@ -501,7 +502,7 @@ def test_a_head_the_calibration_turns_off_keeps_no_weights_until_run(tmp_path):
     save_head(new_head("deep", ss.split, 2), tmp_path / "head")
     ss.set_draft(DraftConfig(head=str(tmp_path / "head")))
     head, drafter = ss.head, ss.engine.drafter
-    assert ss.tuning_result.gamma == 0 and not drafter.head_drafts
+    assert ss.tuning_result.gamma == 0 and drafter.lookup_only
     assert head.unloaded and head.fuse.weight.numel() == 0 and not head._packed and head._fast is None
     prompt = prompt_of(9, 4) * 3
     assert ss.generate(prompt, max_new_tokens=NEW).token_ids == hf_greedy(ss.model, prompt, NEW)

@@ -10,6 +10,7 @@ from conftest import ARCHS, hf_greedy, tiny_model
 from test_engine_equality import NEW, prompt_of
 
 from selfspec import DraftConfig, SelfSpec
+from selfspec.drafting import head_state
 from selfspec.drafting.policies import make_policy
 from selfspec.errors import ExitLayerError
 from selfspec.heads.io import new_head
@@ -98,17 +99,17 @@ def first_drafts_match_a_fresh_forward(ss, head, k: int, prompts: list[list[int]
     """Generate each prompt (output the target's own) while recording each round's first draft, which reads the
     verified prefix only; it must equal the head's teacher-forced logits over the true exit states and context of
     that prefix (one fresh forward, ``teacher_forced``). -> the drafts proposed."""
-    drafter, split = ss.engine.drafter, ss.split
+    split = ss.split
     seen: list[tuple[int, torch.Tensor]] = []
-    inner = drafter._deep_draft  # a greedy draft's features and logits (draft_step's, where it applies)
+    inner = head_state.deep_draft  # a greedy draft's features and logits (draft_step's, where it applies)
 
-    def spy(seq, h, f_prev):
-        f_hat, part, ids = inner(seq, h, f_prev)
+    def spy(head_, seq, h, f_prev, *rest):
+        f_hat, part, ids = inner(head_, seq, h, f_prev, *rest)
         if f_prev is None:  # a round's first draft: at the pending token's position
             seen.append((seq.length, head.logits_of(f_hat)[0, -1].clone()))
         return f_hat, part, ids
 
-    drafter._deep_draft = spy
+    head_state.deep_draft = spy
     drafted = 0
     try:
         for prompt in prompts:
@@ -126,7 +127,7 @@ def first_drafts_match_a_fresh_forward(ss, head, k: int, prompts: list[list[int]
             for p, logits in seen:
                 torch.testing.assert_close(logits, ref[p], atol=tol, rtol=tol)
     finally:
-        del drafter._deep_draft
+        head_state.deep_draft = inner
     return drafted
 
 
@@ -201,7 +202,7 @@ def test_head_linears_run_packed_and_follow_weight_updates():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_head_context_bounds_the_catch_up_and_the_head_sees_only_its_run(arch):
+def test_head_context_bounds_the_catch_up_and_the_head_sees_only_its_run(arch, monkeypatch):
     """``head_context``: a stateful head catches up at most that many rows before a draft (at first the prompt's
     last ones), output stays the target's own, and each round's first draft equals the head's teacher-forced
     forward over just the positions it kept (from its restart to the pending token)."""
@@ -211,20 +212,21 @@ def test_head_context_bounds_the_catch_up_and_the_head_sees_only_its_run(arch):
     drafter.head_context = context
     calls: list[int] = []
     seen: list[tuple[int, int, torch.Tensor]] = []
-    features, inner = head.features, drafter._deep_draft
+    features, inner = head.features, head_state.deep_draft
 
     def count(h, ctx, positions, state=None, tree=None, tail=None):
         if state is not None and tree is None:
             calls.append(h.shape[1])
         return features(h, ctx, positions, state, tree, tail)
 
-    def spy(seq, h, f_prev):
-        f_hat, part, ids = inner(seq, h, f_prev)
+    def spy(head_, seq, h, f_prev, *rest):
+        f_hat, part, ids = inner(head_, seq, h, f_prev, *rest)
         if f_prev is None:  # a round's first draft, at the pending token's position
-            seen.append((seq.length, seq.head_state.skipped, head.logits_of(f_hat)[0, -1].clone()))
+            seen.append((seq.length, seq.head.state.skipped, head.logits_of(f_hat)[0, -1].clone()))
         return f_hat, part, ids
 
-    head.features, drafter._deep_draft = count, spy
+    head.features = count
+    monkeypatch.setattr(head_state, "deep_draft", spy)
     prompt = [5, 6, 7, 5, 6, 7, 5, 6, 9, 11, 4]
     out = ss.generate(prompt, max_new_tokens=NEW)
     assert out.token_ids == hf_greedy(ss.model, prompt, NEW)

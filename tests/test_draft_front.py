@@ -13,7 +13,7 @@ from conftest import ARCHS, hf_greedy
 from test_deep_head import deep_ss
 from test_engine_equality import NEW, prompt_of
 
-from selfspec.drafting.early_exit import _Chain
+from selfspec.drafting.chain import Chain
 from selfspec.drafting.policies import ConfidencePolicy, FixedPolicy, ThompsonPolicy, make_policy
 from selfspec.sampling import greedy
 
@@ -83,18 +83,23 @@ def compare_one_call(split, head, k: int) -> None:
 
 
 def count_fronts(monkeypatch) -> dict[str, int]:
-    """Counts of ``_Chain.front`` calls that drafted, that ended blank (with the verdict), and of rounds that drafted
-    nothing in one call (``SplitModel.step`` with a tap)."""
+    """Counts of ``Chain.first_draft`` calls that drafted, that ended blank (with the verdict), and of rounds that
+    drafted nothing in one call (``Chain.plain_step``: ``SplitModel.step`` with a tap)."""
     counts = {"drafted": 0, "blank": 0, "nothing": 0}
-    real = _Chain.front
 
-    def spy(self):
-        n = len(self.states)
-        real(self)
-        if len(self.states) > n:
-            counts["nothing" if self.max_drafts < 1 else "blank" if self.verdict is not None else "drafted"] += 1
+    def spy_on(name: str) -> None:
+        real = getattr(Chain, name)
 
-    monkeypatch.setattr(_Chain, "front", spy)
+        def spy(self):
+            n = len(self.states)
+            real(self)
+            if len(self.states) > n:
+                counts["nothing" if self.max_drafts < 1 else "blank" if self.verdict is not None else "drafted"] += 1
+
+        monkeypatch.setattr(Chain, name, spy)
+
+    spy_on("plain_step")
+    spy_on("first_draft")
     return counts
 
 
@@ -108,7 +113,7 @@ def test_rounds_through_the_one_call_are_the_rounds_in_parts(arch, k, monkeypatc
     prompt = prompt_of(9, 11) + [5, 6, 7, 5, 6, 7, 5, 6]
     for lookup in (0, 4):
         ss, head = trimmed(arch, k)
-        ss.engine.drafter.lookup = lookup
+        ss.engine.drafter.sources.lookup = lookup
         ref = hf_greedy(ss.model, prompt, NEW)
         confs: list[float] = []
         real = head.draft_or_step
@@ -140,14 +145,14 @@ def test_rounds_through_the_one_call_are_the_rounds_in_parts(arch, k, monkeypatc
 
 
 def test_the_one_call_is_declined_where_it_does_not_apply(monkeypatch):
-    """No one-call front for: a sampled request, a policy whose first decision is not a confidence bar (a keep of its
+    """No one-call front for: a sampled request, a policy whose first decision is not a confidence bar (a go_on of its
     own), a nested head, more than 16 rows, gradients on, Gemma 3's layers. Output stays lossless throughout."""
     counts = count_fronts(monkeypatch)
     ss, head = trimmed("llama", 0)
     prompt = prompt_of(9, 11)
 
     class Own(FixedPolicy):
-        def keep(self, index: int, top1_prob: float) -> bool:
+        def go_on(self, index: int, top1_prob: float) -> bool:
             return index % 2 == 0
 
     ss.engine.drafter.policy = Own()
@@ -171,9 +176,9 @@ def test_the_one_call_is_declined_where_it_does_not_apply(monkeypatch):
         assert not ghead.front_ready(1)
 
 
-def test_first_bar_is_exactly_keep_at_the_first_draft():
-    """Each policy's ``first_bar``: keep(0, c) == (c >= bar) for every confidence; -inf keeps all; None where keep is
-    a subclass's own; Thompson's (with a draft cap) and the cost-aware base's are their base's."""
+def test_first_bar_is_exactly_go_on_at_the_first_draft():
+    """Each policy's ``first_bar``: go_on(0, c) == (c >= bar) for every confidence; -inf drafts on at all; None where
+    go_on is a subclass's own; Thompson's (with a draft cap) and the cost-aware base's are their base's."""
     from selfspec.costs import DraftCosts
 
     costs = DraftCosts(0, 0.0, 0.001, {1: 0.01, 2: 0.012, 4: 0.016})
@@ -187,11 +192,11 @@ def test_first_bar_is_exactly_keep_at_the_first_draft():
         bar = policy.first_bar()
         assert bar is not None
         for c in (0.0, 0.1, 0.3, 0.2999, 0.4, 0.9, 1.0):
-            assert policy.keep(0, c) == (c >= bar), (policy, c)
+            assert policy.go_on(0, c) == (c >= bar), (policy, c)
     assert FixedPolicy().first_bar() == -math.inf
 
     class Own(ConfidencePolicy):
-        def keep(self, index: int, top1_prob: float) -> bool:
+        def go_on(self, index: int, top1_prob: float) -> bool:
             return True
 
     assert Own(0.5).first_bar() is None

@@ -150,7 +150,7 @@ def test_default_draft_config_is_lossless(arch):
     c = policy.costs  # ... whatever this machine measured (a tiny model's step costs less than a round's Python)
     policy.costs = replace(c, t_head=0.0, t_round=0.0, t_per_draft=0.0, t_deep={n: c.t_deep[1] for n in c.t_deep},
                            t_shallow=0.0, t_shallow_block={n: 0.0 for n in c.t_shallow_block})
-    ss.engine.drafter.head_drafts = True  # (a random model's exit never pays: the calibration turned the head off)
+    ss.engine.drafter.lookup_only = False  # (a random model's exit never pays: the calibration turned the head off)
     ss.engine.drafter.catch_up_limit = math.inf  # (nor its catch-up rows, by costs measured on this machine)
     policy.base.threshold = 0.05  # the untrained exit of a random model is rarely confident
     ss.engine.gamma = 4

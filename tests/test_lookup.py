@@ -10,7 +10,8 @@ from conftest import ARCHS, VOCAB, hf_greedy, tiny_model
 from selfspec import DraftConfig, SelfSpec
 from selfspec.drafting import lookup
 from selfspec.drafting.lookup import NgramIndex, common_suffix
-from selfspec.drafting.policies import ByMatchLength, FixedPolicy
+from selfspec.drafting.policies import FixedPolicy
+from selfspec.drafting.policy_tables import ByMatchLength
 
 
 def test_ngram_index_worked_example():
@@ -67,7 +68,7 @@ def test_lookup_drafts_are_lossless(arch, monkeypatch):
     """Random tiny models do not copy, so the n-gram index is replaced by an oracle that proposes the
     reference continuation with one token corrupted at a varying place (or none): lookup blocks are
     then accepted whole, in part and not at all, and the output must stay the reference."""
-    import selfspec.drafting.early_exit as ee
+    import selfspec.drafting.sources as ee
 
     model = tiny_model(arch)
     ss = SelfSpec(model, None)
@@ -115,7 +116,7 @@ def test_lookup_blocks_after_a_whole_acceptance_learn_apart(monkeypatch):
     """With adaptive lengths, a lookup block right after a lookup block accepted whole is sized and learned by the
     streak's own policy; after a partial acceptance or an early-exit round, by the lookup policy. Output stays the
     reference (the oracle's corrupted proposals are accepted whole, in part and not at all)."""
-    import selfspec.drafting.early_exit as ee
+    import selfspec.drafting.sources as ee
 
     model = tiny_model("llama")
     ss = SelfSpec(model, None)
@@ -135,10 +136,10 @@ def test_lookup_blocks_after_a_whole_acceptance_learn_apart(monkeypatch):
     monkeypatch.setattr(ee, "NgramIndex", Oracle)
     ss.set_draft(DraftConfig(exit_layer=1, head="lm", gamma=None, tune="off", lookup=5))
     drafter = ss.engine.drafter
-    assert drafter.lookup_streak_policy is not None and drafter.lookup_streak_policy is not drafter.lookup_policy
+    assert drafter.sources.streak_policy is not None and drafter.sources.streak_policy is not drafter.sources.lookup_policy
     log: list[tuple[str, int, int]] = []
-    assert isinstance(drafter.lookup_policy, ByMatchLength) and isinstance(drafter.lookup_streak_policy, ByMatchLength)
-    for name, policy in (("lookup", drafter.lookup_policy.of(2)), ("streak", drafter.lookup_streak_policy.of(2)),
+    assert isinstance(drafter.sources.lookup_policy, ByMatchLength) and isinstance(drafter.sources.streak_policy, ByMatchLength)
+    for name, policy in (("lookup", drafter.sources.lookup_policy.of(2)), ("streak", drafter.sources.streak_policy.of(2)),
                          ("early", drafter.policy)):
         def spy(proposed, accepted, _name=name, _observe=policy.observe):
             log.append((_name, proposed, accepted))
@@ -164,7 +165,7 @@ def test_by_match_length_buckets():
 def test_lookup_blocks_learn_by_match_length(monkeypatch):
     """Lookup blocks are sized and learned by the policy of their match length's bucket (short and long matches
     apart); the output stays the reference."""
-    import selfspec.drafting.early_exit as ee
+    import selfspec.drafting.sources as ee
 
     model = tiny_model("llama")
     ss = SelfSpec(model, None)
@@ -188,7 +189,7 @@ def test_lookup_blocks_learn_by_match_length(monkeypatch):
     ss.set_draft(DraftConfig(exit_layer=1, head="lm", gamma=None, tune="off", lookup=5))
     drafter = ss.engine.drafter
     log: list[tuple[int, int]] = []  # (the block's match length, the bucket whose policy learned from it)
-    for table in (drafter.lookup_policy, drafter.lookup_streak_policy):
+    for table in (drafter.sources.lookup_policy, drafter.sources.streak_policy):
         assert isinstance(table, ByMatchLength)
         for n in (2, 12):
             policy = table.of(n)
@@ -203,5 +204,5 @@ def test_lookup_blocks_learn_by_match_length(monkeypatch):
     assert all(ByMatchLength(FixedPolicy).bucket(n) == b for n, b in log)
     ss.set_draft(DraftConfig(exit_layer=1, head="lm", gamma=None, tune="off", lookup=5, lookup_match=False))
     drafter = ss.engine.drafter
-    assert isinstance(drafter.lookup_policy, ByMatchLength) and drafter.lookup_policy.of(2) is drafter.lookup_policy.of(30)
-    assert drafter.lookup_longest is False
+    assert isinstance(drafter.sources.lookup_policy, ByMatchLength) and drafter.sources.lookup_policy.of(2) is drafter.sources.lookup_policy.of(30)
+    assert drafter.sources.longest is False

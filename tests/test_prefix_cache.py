@@ -278,7 +278,7 @@ def test_a_prefills_last_layer_runs_only_the_rows_it_needs_with_a_full_prefills_
         hf = ss.split.forward_all(ids, full.positions(90, 1), full.cache)
     assert torch.equal(ss.split.logits(hc), ss.split.logits(hf))
     if method == "selfspec":  # the rows a deep head reads of the prompt's final states (its last head_context + 1)
-        assert torch.equal(cut.extras["finals"][91 - want_rows : 91], full.extras["finals"][91 - want_rows : 91])
+        assert torch.equal(cut.head.finals[91 - want_rows : 91], full.head.finals[91 - want_rows : 91])
 
 
 def test_a_batched_prefill_runs_the_tail_too_and_answers_as_alone(panels, monkeypatch):

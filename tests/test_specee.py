@@ -90,7 +90,7 @@ def test_kv_of_skipped_layers_equals_a_full_forward(arch, tmp_path):
         saw_debt = 0
         for _ in range(30):
             runner.lossy_step(seq, gen, stats)
-            debt = seq.extras["specee_debt"]
+            debt = seq.specee.debt
             saw_debt = max(saw_debt, len(debt))
             p = seq.length
             ref = _full_cache(ss, seq.tokens[:p])
@@ -100,7 +100,7 @@ def test_kv_of_skipped_layers_equals_a_full_forward(arch, tmp_path):
                 assert torch.allclose(seq.cache.keys[layer][:, :, :n], ref.keys[layer][:, :, :n], atol=1e-4)
                 assert torch.allclose(seq.cache.values[layer][:, :, :n], ref.values[layer][:, :, :n], atol=1e-4)
         assert saw_debt >= 2 and len(set(stats.exit_layers)) == LAYERS  # exits at 1, 2, 3 and none (4)
-        run_token(ss.split, seq.cache, seq.extras["specee_debt"], None, seq.length)
+        run_token(ss.split, seq.cache, seq.specee.debt, None, seq.length)
         ref = _full_cache(ss, seq.tokens[: seq.length])
         for layer in range(LAYERS):
             assert seq.cache.lengths[layer] == seq.length

@@ -11,7 +11,7 @@ Which occurrence: of the longest trailing n-gram (n = ngram down to min_ngram) t
 one whose match reaches furthest back (the text's longest suffix seen before, counted up to MAX_MATCH
 tokens), the latest among equals, over its RECENT latest occurrences. The match length is returned with
 the continuation: a long match is a copied span that tends to go on (the lookup policy sizes blocks by it,
-``selfspec.drafting.policies.ByMatchLength``; acceptance by match length on Spec-Bench: docs/ADAPTIVE.md).
+``selfspec.drafting.policy_tables.ByMatchLength``; acceptance by match length on Spec-Bench: docs/ADAPTIVE.md).
 
 The index maps each n-gram to the end positions of its latest RECENT occurrences; it is brought up to date
 incrementally (each token is indexed once), so a lookup costs O(ngram) dictionary probes and a few list

@@ -5,20 +5,20 @@ told afterwards how the round went (adaptive policies such as EESD's Thompson sa
 from that). The drafter calls:
 
     n_max = policy.max_drafts(gamma)            # at the start of a round
-    policy.keep(i, top1_prob)                   # before proposing draft token i (0-based)
+    policy.go_on(i, top1_prob)                  # before proposing draft token i (0-based): go on drafting?
     policy.observe(proposed, accepted)          # after verification
 
 Adaptive policies keep per-request state: the engine asks ``policy.for_request(seed)`` for a fresh one
 at the start of every request (stateless policies return themselves), so a request's draft decisions
 depend only on its own seed and tokens.
+
+Policies made of these, one per lookup match length or per exit depth: ``selfspec.drafting.policy_tables``.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import random
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from selfspec.costs import DraftCosts, best_gamma, speedup, speedup_with_blanks
@@ -34,7 +34,7 @@ class DraftPolicy(Protocol):
 
     @property
     def needs_confidence(self) -> bool:
-        """keep() reads the draft's top-1 probability (else the drafter passes 1.0)."""
+        """go_on() reads the draft's top-1 probability (else the drafter passes 1.0)."""
 
     @property
     def depth(self) -> int | None:
@@ -44,13 +44,13 @@ class DraftPolicy(Protocol):
 
     def max_drafts(self, gamma: int) -> int: ...
 
-    def keep(self, index: int, top1_prob: float) -> bool: ...
+    def go_on(self, index: int, top1_prob: float) -> bool: ...
 
     def first_bar(self) -> float | None:
-        """The draft confidence ``keep(0, ·)`` asks for in a round that may draft (``max_drafts`` > 0): keep(0, c) is
-        exactly ``c >= first_bar()`` (-inf: every draft kept), so a compiled call can take the first draft's decision
-        before keep is asked (``DeepContextHead.draft_or_step``; keep is still called, with the same confidence, and
-        must agree); None when keep(0) is not such a test."""
+        """The draft confidence ``go_on(0, ·)`` asks for in a round that may draft (``max_drafts`` > 0): go_on(0, c)
+        is exactly ``c >= first_bar()`` (-inf: every first draft made), so a compiled call can take the first draft's
+        decision before go_on is asked (``DeepContextHead.draft_or_step``; go_on is still called, with the same
+        confidence, and must agree); None when go_on(0) is not such a test."""
 
     def observe(self, proposed: int, accepted: int) -> None: ...
 
@@ -65,11 +65,11 @@ class FixedPolicy:
     def max_drafts(self, gamma: int) -> int:
         return gamma
 
-    def keep(self, index: int, top1_prob: float) -> bool:
+    def go_on(self, index: int, top1_prob: float) -> bool:
         return True
 
     def first_bar(self) -> float | None:
-        return -math.inf if type(self).keep is FixedPolicy.keep else None  # a subclass's own keep: not known
+        return -math.inf if type(self).go_on is FixedPolicy.go_on else None  # a subclass's own go_on: not known
 
     def observe(self, proposed: int, accepted: int) -> None:
         return None
@@ -90,11 +90,11 @@ class ConfidencePolicy(FixedPolicy):
             raise InvalidConfigError(f"confidence threshold must be in [0, 1], got {threshold}")
         self.threshold = threshold
 
-    def keep(self, index: int, top1_prob: float) -> bool:
+    def go_on(self, index: int, top1_prob: float) -> bool:
         return top1_prob >= self.threshold
 
     def first_bar(self) -> float | None:
-        return self.threshold if type(self).keep is ConfidencePolicy.keep else None
+        return self.threshold if type(self).go_on is ConfidencePolicy.go_on else None
 
 
 class CostAwarePolicy:
@@ -139,8 +139,8 @@ class CostAwarePolicy:
             return 1
         return g
 
-    def keep(self, index: int, top1_prob: float) -> bool:
-        return self.base.keep(index, top1_prob)
+    def go_on(self, index: int, top1_prob: float) -> bool:
+        return self.base.go_on(index, top1_prob)
 
     def first_bar(self) -> float | None:
         return self.base.first_bar()
@@ -155,32 +155,6 @@ class CostAwarePolicy:
             self.accepted[i] += int(i < accepted)
 
 
-MATCH_BOUNDS = (2, 3, 5, 8, 16)  # lookup match lengths per bucket: 2 | 3 | 4-5 | 6-8 | 9-16 | 17+ (ByMatchLength)
-
-
-class ByMatchLength:
-    """One policy per bucket of lookup match lengths (``MATCH_BOUNDS``), each made by ``make`` when first
-    needed and learning on its own: a block copied after a long match is sized by what long matches did.
-
-    The first lookup draft is accepted far more often after a long match than after a short one (docs/ADAPTIVE.md,
-    lookup by match length); one policy for all would average them. Not a DraftPolicy itself: the drafter asks
-    ``of(length)`` for the block's policy."""
-
-    def __init__(self, make: Callable[[], DraftPolicy], bounds: tuple[int, ...] = MATCH_BOUNDS) -> None:
-        self.make, self.bounds = make, bounds
-        self.policies: dict[int, DraftPolicy] = {}
-
-    def bucket(self, length: int) -> int:
-        return bisect.bisect_left(self.bounds, length)
-
-    def of(self, length: int) -> DraftPolicy:
-        """The policy of blocks whose match reached ``length`` tokens back."""
-        b = self.bucket(length)
-        if b not in self.policies:
-            self.policies[b] = self.make()
-        return self.policies[b]
-
-
 # Prior counts (passed, blank) of the pass rate: a mean of 0.7 worth two rounds, so a request learns its own rate
 # within a few rounds (0.7: near the pass rate of the tuned threshold on most Spec-Bench groups, translation's
 # lower; docs/ADAPTIVE.md)
@@ -192,7 +166,7 @@ class ThompsonPolicy:
     Faster LLM Inference with Thompson Sampling Control Mechanism").
 
     The acceptance of draft position i, given that positions < i were accepted, has a Beta(alpha_i, beta_i)
-    posterior. Before each draft token (``keep``) and at the start of a round (``max_drafts``) the policy
+    posterior. Before each draft token (``go_on``) and at the start of a round (``max_drafts``) the policy
     draws one acceptance rate per position from the posteriors and acts as if the draws were true: it
     drafts on while some longer round has a better expected speed over plain decoding at the measured
     costs (selfspec.costs.speedup) than stopping here. Uncertain positions are sometimes drawn high, so
@@ -269,8 +243,8 @@ class ThompsonPolicy:
         self.cap = self.choose(gamma)[0]
         return self.cap
 
-    def keep(self, index: int, top1_prob: float) -> bool:
-        if not self.base.keep(index, top1_prob):
+    def go_on(self, index: int, top1_prob: float) -> bool:
+        if not self.base.go_on(index, top1_prob):
             return False
         if index == 0 or index >= self.cap:
             return index < max(self.cap, 1)  # max_drafts just drew for this round's first token
@@ -279,7 +253,7 @@ class ThompsonPolicy:
         return any(speedup(self.costs, theta, g) > here for g in range(index + 1, self.cap + 1))
 
     def first_bar(self) -> float | None:
-        return self.base.first_bar()  # keep(0) with a cap >= 1: the base's test, no draw
+        return self.base.first_bar()  # go_on(0) with a cap >= 1: the base's test, no draw
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.base.observe(proposed, accepted)
@@ -294,43 +268,6 @@ class ThompsonPolicy:
                 self.alpha[i] += 1.0
             else:
                 self.beta[i] += 1.0
-
-
-class DepthBandit:
-    """S2D's depth choice as a bandit over a nested head's depths, with the Thompson machinery: each
-    depth has its own costs and per-position posteriors; at the start of a round every depth draws its
-    acceptance rates, and the round drafts at the depth (and length) whose draws promise the best speed
-    over plain decoding. ``depth`` is read by the drafter; verification starts from it."""
-
-    def __init__(self, arms: dict[int, ThompsonPolicy], default: int) -> None:
-        self.arms, self.depth = arms, default
-        self.name = "thompson-depth"
-        self.needs_confidence = any(a.needs_confidence for a in arms.values())
-        self.picks: dict[int, int] = dict.fromkeys(arms, 0)
-
-    def for_request(self, seed: int | None) -> DepthBandit:
-        return DepthBandit({d: a.for_request(None if seed is None else seed + d) for d, a in self.arms.items()},
-                           self.depth)
-
-    def max_drafts(self, gamma: int) -> int:
-        best = (-1.0, self.depth, 0)
-        for d, arm in self.arms.items():
-            g, gain = arm.choose(gamma)
-            if gain > best[0]:
-                best = (gain, d, g)
-        _, self.depth, g = best
-        self.arms[self.depth].cap = g
-        self.picks[self.depth] += 1
-        return g
-
-    def keep(self, index: int, top1_prob: float) -> bool:
-        return self.arms[self.depth].keep(index, top1_prob)
-
-    def first_bar(self) -> float | None:
-        return self.arms[self.depth].first_bar()
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        self.arms[self.depth].observe(proposed, accepted)
 
 
 POLICIES = ("fixed", "confidence", "thompson", "thompson-confidence")
@@ -357,7 +294,4 @@ if TYPE_CHECKING:  # `make test` runs mypy: a policy that no longer implements D
         return p
 
     def _thompson_is_a_policy(p: ThompsonPolicy) -> DraftPolicy:
-        return p
-
-    def _depth_bandit_is_a_policy(p: DepthBandit) -> DraftPolicy:
         return p

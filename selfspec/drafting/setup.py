@@ -11,15 +11,8 @@ from typing import Any
 from selfspec.config import DraftConfig
 from selfspec.costs import DraftCosts
 from selfspec.drafting.early_exit import EarlyExitDrafter
-from selfspec.drafting.policies import (
-    MATCH_BOUNDS,
-    ByMatchLength,
-    CostAwarePolicy,
-    DepthBandit,
-    DraftPolicy,
-    ThompsonPolicy,
-    make_policy,
-)
+from selfspec.drafting.policies import CostAwarePolicy, DraftPolicy, ThompsonPolicy, make_policy
+from selfspec.drafting.policy_tables import MATCH_BOUNDS, ByMatchLength, DepthBandit
 from selfspec.drafting.store import resolve_store
 from selfspec.engine import MAX_TREE_NODES
 from selfspec.errors import InvalidConfigError
@@ -74,13 +67,12 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     if threshold is None:  # the calibration's confidence stop, else 0.5 (measured best for the bundled head)
         threshold = tuning.threshold if tuning is not None else 0.5
         draft = replace(draft, threshold=threshold)
-    # a calibration that found no early-exit draft paying: lookup alone, unless the user wants exploration; or the
-    # user asked for lookup alone
-    head_drafts = not (draft.lookup_only or (tuning is not None and tuning.gamma == 0 and draft.gamma is None
-                                             and not draft.explore and draft.lookup > 0))
-    policy, gamma, lookup_policy, streak_policy, store_policy = _policies(ss, head, draft, name, threshold, tuning,
-                                                                          head_drafts)
-    if head_drafts:
+    # the user asked for lookup alone; or a calibration found no early-exit draft paying: lookup alone, unless the
+    # user wants exploration (the resolved config says lookup_only, and so do the results that record it)
+    if tuning is not None and tuning.gamma == 0 and draft.gamma is None and not draft.explore and draft.lookup > 0:
+        draft = replace(draft, lookup_only=True)
+    policy, gamma, lookup_policy, streak_policy, store_policy = _policies(ss, head, draft, name, threshold, tuning)
+    if not draft.lookup_only:
         head.prepare()  # its draft kernels built now, not in the first request
         if head.source is not None:  # a head loaded from its directory to draft with: its packed copies suffice
             head.release_float()
@@ -89,9 +81,11 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
     limit = math.inf  # with a calibration, a stateful head drafts only where its catch-up can pay
     if tuning is not None and head.stateful:
         limit = catch_up_limit(ss.draft_costs(head, draft, head.exit_layer), tuning, ss.split.num_layers - head.exit_layer)
-    drafter = EarlyExitDrafter(ss.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy, head_drafts,
-                               limit, draft.head_context, streak_policy, draft.lookup_match,
-                               resolve_store(draft.store) if draft.lookup > 0 else None, store_policy)
+    drafter = EarlyExitDrafter(ss.split, head, policy, draft.lookup, draft.lookup_ngram, lookup_policy,
+                               lookup_only=draft.lookup_only, catch_up_limit=limit, head_context=draft.head_context,
+                               lookup_streak_policy=streak_policy, lookup_longest=draft.lookup_match,
+                               store=resolve_store(draft.store) if draft.lookup > 0 else None,
+                               store_policy=store_policy)
     return drafter, gamma, replace(draft, exit_layer=head.exit_layer, policy=name), tuning
 
 
@@ -115,11 +109,11 @@ def catch_up_limit(costs: DraftCosts, tuning: Tuning | None, deep_layers: int) -
 
 
 def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold: float,
-              tuning: Tuning | None, head_drafts: bool = True) -> tuple[DraftPolicy, int, ByMatchLength | None,
-                                                                        ByMatchLength | None, ByMatchLength | None]:
+              tuning: Tuning | None) -> tuple[DraftPolicy, int, ByMatchLength | None, ByMatchLength | None,
+                                              ByMatchLength | None]:
     """(the drafts' policy, most drafts per round, the lookup drafts' policy or None, the policy of lookup blocks
     after one accepted whole or None, the token store's blocks' or None) of ``draft`` (its tree width resolved:
-    ``early_exit``). ``head_drafts`` False: the head never runs, so nothing of it is built to price its rounds."""
+    ``early_exit``). ``draft.lookup_only``: the head never runs, so nothing of it is built to price its rounds."""
     assert draft.tree_width is not None
     base = make_policy(name, threshold)
     policy: DraftPolicy = base
@@ -131,7 +125,7 @@ def _policies(ss: Any, head: ExitHead, draft: DraftConfig, name: str, threshold:
     costs = {d: ss.draft_costs(head, draft, d) for d in (head_depths(head) if thompson else [head.exit_layer])}
     if tuning is not None:  # what real rounds cost beyond their layers (measured by the calibration)
         costs = {d: tuning.with_overhead(c) for d, c in costs.items()}
-    if head_drafts:  # a blank round's price (its one call, or not; ``front_ready`` builds the head's plan)
+    if not draft.lookup_only:  # a blank round's price (its one call, or not; ``front_ready`` builds the head's plan)
         costs = {d: for_head(c, head) for d, c in costs.items()}
     shaped = {d: replace(c, tree_width=draft.tree_width) if draft.tree_width > 1 else c for d, c in costs.items()}
     k = head.exit_layer

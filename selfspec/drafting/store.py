@@ -6,7 +6,7 @@ The store is the target's own greedy answers to prompts outside the benchmark (`
 first turns answered by ``selfspec answer-prompts``), its token ids in one array, documents separated by -1
 (``DraftConfig.store``, off by default: on Spec-Bench it was level with the default on both bundled models,
 docs/ADAPTIVE.md "A token store"). Drafts from it are lookup blocks with their own learned acceptance per match
-length (``EarlyExitDrafter.store_policy``), so they stay lossless like every draft: verification decides.
+length (``LookupSources.store_policy``), so they stay lossless like every draft: verification decides.
 
 Worked example (ngram 3): store [5 7 3 9 4 -1 8 7 3 9 2 -1 6 7 3 9 2 7], text [... 1 7 3 9]: the text's last
 3-gram [7 3 9] ends at store positions 3, 9 and 15; each matches 3 tokens back (5, 8 and 6 differ from the text's

@@ -12,94 +12,24 @@ Kinds: ``lm`` (the target's own final norm + LM head, no training, LayerSkip sty
 ``kangaroo`` (Kangaroo's adapter: one attention block with two RMSNorms in front of the frozen
 LM head), ``linear``, ``layer`` (a trainable copy of decoder layer k) and ``deep`` (``layer`` fed
 with the final-layer states of the verified tokens too, EAGLE-style: ``heads.deep``). Trained heads are saved as ``head_config.json`` + ``head.safetensors``.
+What a trained head fits and what tells heads apart: ``heads.identity``; how its weights are built: ``heads.weights``.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from selfspec.errors import HeadMismatchError
+from selfspec.heads.weights import quantized_linear
 from selfspec.kernels.linear import PackedLinear, pack_linear
 from selfspec.models.cache import KVCache
 from selfspec.models.masks import TreeAttention
 from selfspec.models.split import SplitModel
-from selfspec.quant.convert import quantize_weight
-from selfspec.quant.modules import QuantLinear
 
 CONFIG_NAME, WEIGHTS_NAME = "head_config.json", "head.safetensors"  # a trained head's directory (heads.io)
-
-_WEIGHTS_FOLLOW: ContextVar[bool] = ContextVar("selfspec_head_weights_follow", default=False)
-
-
-@contextmanager
-def weights_follow() -> Iterator[None]:
-    """Heads built inside receive every weight from a file next (``heads.io.load_head``): they skip computing
-    initial ones (a layer head's copy of the target's layer is then not dequantized only to be overwritten)."""
-    token = _WEIGHTS_FOLLOW.set(True)
-    try:
-        yield
-    finally:
-        _WEIGHTS_FOLLOW.reset(token)
-
-
-def weights_to_follow() -> bool:
-    """Whether a head built now receives its weights from a file next (``weights_follow``)."""
-    return _WEIGHTS_FOLLOW.get()
-
-
-def quantized_linear(module: nn.Linear, type_name: str) -> nn.Module:
-    """``module`` with ``type_name`` block-quantized weights (a QuantLinear, what the kernels pack), or ``module``
-    itself when its input width takes no blocks of 32 or the type is float32 (a head's draft weights)."""
-    if type_name == "float32" or module.in_features % 32 != 0:
-        return module
-    bias = None if module.bias is None else module.bias.detach().float()
-    return QuantLinear(quantize_weight(module.weight, type_name), bias)
-
-
-def model_fingerprint(split: SplitModel) -> dict[str, Any]:
-    """What a trained head must agree with to be loaded into a model."""
-    c = split.config
-    return {
-        "model_type": c.model_type,
-        "num_layers": split.num_layers,
-        "hidden_size": split.hidden_size,
-        "vocab_size": split.vocab_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": split.num_kv_heads,
-        "head_dim": split.head_dim,
-    }
-
-
-def head_identity(head: Any) -> str:
-    """What tells one trained head from another in the calibration caches: its directory (resolved: a relative and an
-    absolute path to one head are one head), the weights' size and a digest of its ``head_config.json`` (which
-    records its exit layer, draft vocabulary and training), so a head retrained or replaced in the same directory (a
-    new bundled head) is calibrated again. Without a directory: kind and exit layer."""
-    if not head.source:
-        return f"{head.kind}@{head.exit_layer}"
-    where = Path(head.source).resolve()
-    out = str(where)
-    if (where / WEIGHTS_NAME).is_file():
-        out += f"#{(where / WEIGHTS_NAME).stat().st_size}"
-    if (where / CONFIG_NAME).is_file():
-        out += "#" + hashlib.sha256((where / CONFIG_NAME).read_bytes()).hexdigest()[:12]
-    return out
-
-
-def check_fingerprint(saved: dict[str, Any], split: SplitModel, where: str) -> None:
-    want = model_fingerprint(split)
-    diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
-    if diff:
-        details = ", ".join(f"{k}: head has {a}, model has {b}" for k, (a, b) in diff.items())
-        raise HeadMismatchError(f"exit head {where} does not match this model ({details})")
 
 
 class Front(NamedTuple):
@@ -273,7 +203,7 @@ class ExitHead(nn.Module):
     def lm_part(self, x_normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen LM head on normed states ``# [..., hidden]`` over the drafted vocabulary only: (logits
         ``# [..., n]`` float32, their token ids ``# [n]``, ascending), or (full logits, None) when nothing is trimmed.
-        A greedy draft picks from these directly (``drafting.early_exit``), without spreading them over the whole
+        A greedy draft picks from these directly (``drafting.chain``), without spreading them over the whole
         vocabulary."""
         if len(self.vocab_ids) == 0:
             return self.split.head_logits(x_normed), None

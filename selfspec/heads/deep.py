@@ -146,7 +146,8 @@ class DeepContextHead(DecoderLayerHead):
         [``backlog``, that exit state] (``# [1, b, hidden]`` then one row; ``context`` ``# [1, b + 1, hidden]`` and
         ``positions`` ``# [1, b + 1]`` as ``draft_step`` reads them); and when the draft's confidence is under ``bar``
         (a blank round) the rest of the target's step, its keys and values in ``cache``: bit for bit the drafter's
-        Python path (``_Chain``) and the verification of one row. None (nothing done) where ``front_ready`` is not."""
+        Python path (``drafting.chain.Chain``) and the verification of one row. None (nothing done) where
+        ``front_ready`` is not."""
         n = backlog.shape[1] + 1
         plan = self._head_plan() if self._fits(n) and context.shape == (1, n, self.split.hidden_size) else None
         plans = self.split.plans

@@ -13,20 +13,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from selfspec.errors import ExitLayerError, HeadMismatchError, InvalidConfigError, ModelNotFoundError
-from selfspec.heads.base import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    ExitHead,
-    LMExitHead,
-    check_fingerprint,
-    model_fingerprint,
-    weights_follow,
-)
+from selfspec.heads.base import CONFIG_NAME, WEIGHTS_NAME, ExitHead, LMExitHead
 from selfspec.heads.deep import DeepContextHead
+from selfspec.heads.identity import check_fingerprint, model_fingerprint
 from selfspec.heads.kangaroo import KangarooAdapter
 from selfspec.heads.layer import DecoderLayerHead
 from selfspec.heads.linear import LinearHead
 from selfspec.heads.nested import NestedDeepHead
+from selfspec.heads.weights import weights_follow
 from selfspec.models.split import SplitModel
 
 HEAD_KINDS: dict[str, type[ExitHead]] = {

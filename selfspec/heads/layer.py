@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from selfspec.errors import InvalidConfigError
-from selfspec.heads.base import CachedHead, quantized_linear, weights_to_follow
+from selfspec.heads.base import CachedHead
 from selfspec.heads.kangaroo import RMSNorm
+from selfspec.heads.weights import quantized_linear, weights_to_follow
 from selfspec.kernels.linear import MAX_GEMV_ROWS, PackedLinear
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Rotary, Segment

@@ -341,7 +341,7 @@ std::vector<at::Tensor> head_step(const HeadPlan& p, const at::Tensor& h, const 
 // head's step, the same calls as the Python path in its order, so the results are bit for bit its own:
 //   h      = layers [0, k) of the token's embedding row       # the exit state [1, 1, hidden]
 //   f^, z  = head_step([backlog, h], ctx)                     # z: the drafted vocabulary's logits [1, V']
-//   conf   = max softmax(z), d = ids[argmax z]                # as the chain's greedy pick
+//   conf   = max softmax(z), d = ids[argmax z]                # as Chain._pick
 //   conf >= bar: -> the draft d (the caller drafts on from h and f^)
 //   else:        layers [k, L) of h, final norm, LM head, argmax -> the target's next token (and its final state)
 // Where most rounds are blank (the confidence stop refuses the first draft, as on translation prompts), a blank

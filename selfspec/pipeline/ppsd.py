@@ -38,7 +38,7 @@ from selfspec import round as core
 from selfspec.config import GenerateConfig, PipelineConfig
 from selfspec.drafting.base import DraftBlock
 from selfspec.drafting.early_exit import EarlyExitDrafter
-from selfspec.drafting.policies import DepthBandit
+from selfspec.drafting.policy_tables import DepthBandit
 from selfspec.errors import InvalidConfigError
 from selfspec.models.split import SplitModel
 from selfspec.pipeline.deep import RequestParams
@@ -157,15 +157,15 @@ class Pipeline:
     # ---- supposing a verdict (drafting ahead) ----------------------------------------------
     def _snapshot(self, seq: SequenceState) -> _Snapshot:
         head = self.drafter.head
-        seen = head.seen(seq.head_state) if head.stateful else 0
-        return _Snapshot(seq.length, seq.pending, len(seq.tokens), seq.head_backlog, seq.depth, seen)
+        seen = head.seen(seq.head.state) if head.stateful else 0
+        return _Snapshot(seq.length, seq.pending, len(seq.tokens), seq.head.backlog, seq.depth, seen)
 
     def _restore(self, seq: SequenceState, snap: _Snapshot) -> None:
-        seq.length, seq.pending, seq.head_backlog, seq.depth = snap.length, snap.pending, snap.backlog, snap.depth
+        seq.length, seq.pending, seq.head.backlog, seq.depth = snap.length, snap.pending, snap.backlog, snap.depth
         seq.tokens = seq.tokens[: snap.n_tokens]  # a new list: the lookup index is rebuilt from it
         head = self.drafter.head
         if head.stateful:  # entries past p + 1 may come from a supposed verdict; accepted() redoes them
-            head.rollback(seq.head_state, min(head.seen(seq.head_state), snap.seen, snap.length + 1))
+            head.rollback(seq.head.state, min(head.seen(seq.head.state), snap.seen, snap.length + 1))
 
     def _suppose(self, seq: SequenceState, snap: _Snapshot, block: DraftBlock, m: int, x: int) -> None:
         """Put ``seq`` in the state the verdict (m, x) on ``block`` would leave it in."""

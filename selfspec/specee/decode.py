@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.drafting import head_state
 from selfspec.drafting.base import DraftBlock
 from selfspec.models.fast import Norm
 from selfspec.round import commit_plain
@@ -35,6 +36,7 @@ from selfspec.specee.candidates import CandidateScorer, features_list
 from selfspec.specee.predictors import ExitPredictors
 from selfspec.specee.ragged import DebtRow, run_token
 from selfspec.specee.schedule import OnlineSchedule
+from selfspec.state import SequenceState
 
 SPECEE_METHODS = ("specee", "specee-verified")
 MAX_DEBT = 8  # a lossy token with this many indebted rows before it runs every layer (pays the debt)
@@ -49,6 +51,20 @@ class SpecEESettings:
     max_drafts: int = 8  # specee-verified: most drafts per round
     cost_aware: bool = True  # specee-verified: an exit at layer i needs probability >= max(threshold, i / L)
     max_layer: int | None = None  # specee-verified: drafts exit at layers <= this only (None: any predictor layer)
+
+
+@dataclass
+class SpecEEState:
+    """What SpecEE keeps per sequence (``SequenceState.specee``, from ``SpecEERunner.start``)."""
+
+    schedule: OnlineSchedule  # the layers whose predictors are checked next
+    debt: list[DebtRow]  # specee (lossy): the rows whose deep layers a later token's pass computes (ragged.py)
+
+
+def _state(seq: SequenceState) -> SpecEEState:
+    state = seq.specee
+    assert isinstance(state, SpecEEState), "SpecEERunner.start gives a sequence its SpecEE state"
+    return state
 
 
 @dataclass
@@ -76,20 +92,19 @@ class SpecEERunner:
 
     def start(self, seq) -> None:
         s = self.settings
-        seq.extras["specee_schedule"] = OnlineSchedule(self.layers, s.window, s.radius)
-        seq.extras["specee_debt"] = []
+        seq.specee = SpecEEState(OnlineSchedule(self.layers, s.window, s.radius), [])
 
     # ---- one token ---------------------------------------------------------------------
     def _candidates(self, seq, h_k: torch.Tensor, p: int, f_prev: torch.Tensor | None):
         d = self.drafter
         if d.head.needs_context:
-            logits, f_hat = d._deep_logits(seq, h_k, p, f_prev)
+            logits, f_hat = head_state.deep_logits(d.head, seq, h_k, f_prev, d.depth_of(seq), d.head_context)
         else:
-            logits, f_hat = d._head_logits(seq, h_k, p), None
+            logits, f_hat = head_state.head_logits(d.head, seq, h_k, p, d.head_context), None
         cands = logits.topk(self.predictors.candidates).indices  # [c]
         q = torch.softmax(logits.float(), dim=-1)
-        if d.lookup > 0 and len(seq.tokens) == p + 1:  # the text ends at p: a lookup match predicts p + 1
-            nxt = d._ngram_index(seq).continuation(1)
+        if d.sources.lookup > 0 and len(seq.tokens) == p + 1:  # the text ends at p: a lookup match predicts p + 1
+            nxt = d.sources.index(seq).continuation(1)
             if nxt and nxt[0] not in cands.tolist():
                 cands = cands.clone()
                 cands[-1] = nxt[0]
@@ -103,7 +118,7 @@ class SpecEERunner:
         forward must be right at least that often to pay; specee-verified)."""
         floor = 1.0 / self.split.num_layers if cost_aware else 0.0
         split, k = self.split, self.drafter.exit_layer
-        sched: OnlineSchedule = seq.extras["specee_schedule"]
+        sched = _state(seq).schedule
         check_layers = sched.layers_to_check() if check else []
         if cost_aware and self.settings.max_layer is not None:
             check_layers = [i for i in check_layers if i <= self.settings.max_layer]
@@ -137,10 +152,10 @@ class SpecEERunner:
     # ---- the two modes -----------------------------------------------------------------
     def lossy_step(self, seq, gen, stats) -> list[int]:
         """One token of ``specee`` (lossy). ``seq.length`` is the pending token's position; positions before
-        it may be indebted (``seq.extras['specee_debt']``)."""
+        it may be indebted (``SpecEEState.debt``)."""
         split, d = self.split, self.drafter
-        p, debt = seq.length, seq.extras["specee_debt"]
-        sched: OnlineSchedule = seq.extras["specee_schedule"]
+        state = _state(seq)
+        p, debt, sched = seq.length, state.debt, state.schedule
         r = self.token_pass(seq, seq.pending, p, debt, None, check=len(debt) < MAX_DEBT, head=True,
                             threshold=self.settings.threshold["specee"], stats=stats)
         L = split.num_layers
@@ -153,8 +168,8 @@ class SpecEERunner:
                 nxt = int(r.cands[int(sample(q, seq.generator))])
             if d.head.needs_context:
                 assert r.f_hat is not None  # the head ran at layer k
-                d._store_finals(seq, p, r.f_hat[0])  # the head's estimate stands in for f(p) at p + 1
-            seq.extras["specee_debt"] = r.debt
+                head_state.store_finals(seq.head, p, r.f_hat[0])  # the head's estimate stands in for f(p) at p + 1
+            state.debt = r.debt
             sched.observe(r.exit_layer)
         else:
             assert r.states is not None  # the token's rows ran through every layer
@@ -168,8 +183,8 @@ class SpecEERunner:
                 stats.exit_compared += len(full)
                 stats.exit_agreed += sum(a == b for a, b in zip(full, emitted))
             if d.head.needs_context:
-                d._store_finals(seq, p - n + 1, r.states[0])
-            seq.extras["specee_debt"] = []
+                head_state.store_finals(seq.head, p - n + 1, r.states[0])
+            state.debt = []
             sched.observe(None)
         stats.exit_layers.append(r.exit_layer)
         return commit_plain(seq, nxt, stats)  # the pending token's row is in the cache (or owed: the debt)
@@ -179,7 +194,7 @@ class SpecEERunner:
         ``# [1, g + 1, hidden]`` (pending token and drafts), which ``Engine.accept`` verifies."""
         split = self.split
         p, tok = seq.length, seq.pending
-        sched: OnlineSchedule = seq.extras["specee_schedule"]
+        sched = _state(seq).schedule
         threshold = self.settings.threshold["specee-verified"]
         debt: list[DebtRow] = []
         drafts: list[int] = []
