@@ -279,7 +279,7 @@ def test_concat_of_consecutive_slices_is_a_view_and_the_store_keeps_runs(tmp_pat
 
 
 def test_five_bit_words_layout():
-    """The AVX-512 layout of 5-bit codes (quant.cpp's header): the header's worked example, the spare bits of
+    """The AVX-512 layout of 5-bit codes (qcodes.h's header): the header's worked example, the spare bits of
     columns 30 and 31, and the round trip; the layout is the build's (AVX2 builds keep nibbles and planes)."""
     q = np.zeros((1, 1, 32, weight.LANES), dtype=np.uint8)
     q[0, 0, :6, 0] = [1, 2, 3, 4, 5, 6]

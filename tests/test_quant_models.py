@@ -102,8 +102,8 @@ def test_every_architecture_quantized_is_lossless(arch, one_thread, gemm_prefill
 @pytest.mark.parametrize("heads,kv_heads", [(14, 2), (4, 1)])
 def test_grouped_query_shapes_quantized_are_lossless(heads, kv_heads):
     """Qwen2.5-0.5B's 7 query heads a key/value head, and a single key/value head, on 2 threads: a decoding block's
-    attention takes a KV head's query heads together, split by rows and heads to fit the threads (ops.cpp
-    attend_decode); greedy output stays transformers'."""
+    attention takes a KV head's query heads together, split by rows and heads to fit the threads
+    (attention.cpp attend_decode); greedy output stays transformers'."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     cfg = tiny_config("qwen2").to_dict()

@@ -1,4 +1,5 @@
-"""Building selfspec's CPU kernels (gemv.cpp, quant.cpp, ops.cpp, step.cpp) once per source, torch and CPU.
+"""Building selfspec's CPU kernels (``_SOURCES``: gemv.cpp; the block-quantized kernels qlinear.cpp, qlinear_i8.cpp,
+qargmax.cpp, qdense.cpp, qgemm.cpp; ops.cpp, attention.cpp; step.cpp) once per source, torch and CPU.
 
 The extension is compiled with ``-march=native``, so the instruction set is chosen on the machine that
 runs it: AVX-512 (with its 16-row tiles) where the CPU has it, AVX2 otherwise. ``SELFSPEC_ISA=avx2``
@@ -23,8 +24,11 @@ from selfspec.machine import cpu_info
 from selfspec.paths import cache_root
 from selfspec.progress import announce
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "quant.cpp", "ops.cpp", "step.cpp")]
-_HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h")]  # part of what the build is made of (its tag), not compiled alone
+_SOURCES = [Path(__file__).with_name(n) for n in (
+    "gemv.cpp", "qlinear.cpp", "qlinear_i8.cpp", "qargmax.cpp", "qdense.cpp", "qgemm.cpp", "ops.cpp", "attention.cpp",
+    "step.cpp",
+)]
+_HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h", "qcodes.h")]  # part of what the build is made of (its tag), not compiled alone
 
 
 def _isa_flags() -> list[str]:
@@ -72,9 +76,10 @@ def kernel_tag() -> str:
 
 @lru_cache(maxsize=1)
 def cpu_extension() -> Any | None:
-    """selfspec's compiled CPU kernels (gemv.cpp: linear; ops.cpp: the fused decoding ops), built once per
-    source / torch / CPU into the cache (once: the four files compile side by side, and only ops.cpp and
-    step.cpp, which bind to Python, include pybind; see kernels.h), or None where they cannot be built."""
+    """selfspec's compiled CPU kernels (gemv.cpp: linear; qlinear.cpp and its siblings: the block-quantized
+    kernels; ops.cpp, attention.cpp: the fused decoding ops; step.cpp: whole layers), built once per source /
+    torch / CPU into the cache (once: the files compile side by side, and only ops.cpp and step.cpp, which bind
+    to Python, include pybind; see kernels.h), or None where they cannot be built."""
     if os.environ.get("SELFSPEC_KERNEL", "") in ("torch", "onednn"):
         return None
     tag = kernel_tag()

@@ -1,4 +1,5 @@
-// The functions selfspec's CPU kernel files call across files (one extension: gemv.cpp, quant.cpp, ops.cpp,
+// The functions selfspec's CPU kernel files call across files (one extension: gemv.cpp; the block-quantized kernels
+// qlinear.cpp, qlinear_i8.cpp, qargmax.cpp, qdense.cpp, qgemm.cpp, which share qcodes.h; ops.cpp, attention.cpp;
 // step.cpp; ops.cpp binds them all to Python).
 #pragma once
 // Only the ATen headers the kernels use (the tensor, its factories, parallel_for): torch/extension.h pulls in most of
@@ -29,25 +30,34 @@ inline void for_range(int64_t n, bool parallel, const F& f) {
   }
 }
 
+// The fused ops' argument check (ops.cpp, attention.cpp).
+inline void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name, " must be contiguous float32");
+}
+
 // gemv.cpp
 at::Tensor linear(at::Tensor x, at::Tensor packed, at::Tensor bias, at::Tensor out, bool accumulate);
 
-// quant.cpp
+// qlinear.cpp
 at::Tensor qlinear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
                       int64_t group, double z, at::Tensor bias, at::Tensor out, bool accumulate);
+// qlinear_i8.cpp
 at::Tensor qlinear_i8(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
                          int64_t bits, int64_t group, double z, at::Tensor bias, at::Tensor out,
                          bool accumulate);
 bool qlinear_i8_vnni();
+// qargmax.cpp
 int64_t qargmax(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
                 int64_t group, double z, int64_t n, at::Tensor ebound, at::Tensor out);
-bool qcodes5_words();
-at::Tensor qgemm(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
-                    int64_t group, double z, at::Tensor bias, at::Tensor out, bool accumulate);
-at::Tensor qdense_t(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits, int64_t group,
-                       double z, int64_t b0, int64_t b1, at::Tensor out);
 at::Tensor qgroup_l1(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits, int64_t group,
                         double z, at::Tensor out);
+// qgemm.cpp
+at::Tensor qgemm(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
+                    int64_t group, double z, at::Tensor bias, at::Tensor out, bool accumulate);
+// qdense.cpp
+bool qcodes5_words();
+at::Tensor qdense_t(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits, int64_t group,
+                       double z, int64_t b0, int64_t b1, at::Tensor out);
 at::Tensor qdequant(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits, int64_t group,
                        double z, at::Tensor ids, at::Tensor out);
 
@@ -55,17 +65,18 @@ at::Tensor qdequant(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
                        at::Tensor values, int64_t start, int64_t hq, int64_t hkv);
-at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t start, int64_t window,
-                        double scale);
 at::Tensor silu_mul(at::Tensor gu);
 at::Tensor argmax_rows(at::Tensor x);
+// attention.cpp
+at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t start, int64_t window,
+                        double scale);
 
 // The same kernels on raw pointers, for step.cpp's compiled layers: no tensor is made or checked per call (the
 // tensor functions above check their arguments, then call these). A step's ~10 kernel calls a layer through the
 // tensor functions would make several tensors and dozens of checks and views a layer, on a small model as much time
 // as the arithmetic.
 namespace raw {
-// A packed block-quantized weight (quant.cpp's layout): checked once by qweight.
+// A packed block-quantized weight (qcodes.h's layout): checked once by qweight (qlinear.cpp).
 struct QWeight {
   const uint8_t* codes;   // [NB, G, group bytes]
   const void* scales;     // [NB, G, 16] float32 or float16
@@ -76,7 +87,8 @@ struct QWeight {
 };
 QWeight qweight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
                 int64_t group, double z);
-// y [M, N] (row stride ldy) = or += x [M, K = G * group] @ W^T (+ bias [N] or nullptr); N within W's blocks.
+// y [M, N] (row stride ldy) = or += x [M, K = G * group] @ W^T (+ bias [N] or nullptr); N within W's blocks
+// (qlinear.cpp; qlinear_i8.cpp: x rounded to 8 bits per group).
 void qlinear(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t ldy, int64_t N,
              bool accumulate);
 void qlinear_i8(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t ldy, int64_t N,

@@ -10,7 +10,7 @@ order it is read, so a step reads each weight once, front to back. Paths, by dev
                               into the cache directory; weights packed [N/8, K, 8]
     cpu float32, 17-64 rows   the same kernel, 16 rows per call (a batch's verification blocks)
     cpu float32, rows > 64    torch F.linear on the original weights (MKL sgemm: prefill is compute-bound)
-    block-quantized (GGUF)    selfspec-quant: quant.cpp for every row count, 16 rows per call (docs/QUANTIZED.md);
+    block-quantized (GGUF)    selfspec-quant: qlinear.cpp for every row count, 16 rows per call (docs/QUANTIZED.md);
                               no fallback: without the compiled kernels a clear error, not a slow path
     cpu bfloat16              oneDNN with the weight reordered once (``torch.ops.mkldnn``) on CPUs with
                               native bf16 support (AVX-512 BF16 / AMX / AVX-NE-CONVERT), else F.linear
@@ -72,7 +72,7 @@ class PackedLinear:
     """``y = x @ cat(W_i)^T + cat(b_i)`` for weights ``W_i [N_i, K]`` sharing the input ``x [..., K]``.
 
     A weight may be a block-quantized ``QuantWeight`` (a GGUF loaded natively): then every row count runs through
-    the quantized kernel (``selfspec/kernels/quant.cpp``, 16 rows per call; it reads the packed blocks, a fraction
+    the quantized kernel (``selfspec/kernels/qlinear.cpp``, 16 rows per call; it reads the packed blocks, a fraction
     of float32's bytes, and beats MKL's float32 GEMM on them, so prefill uses it too), consecutive weights of one
     type fused into one call. ``out`` given and ``accumulate=True`` adds into it in place (the residual stream)."""
 

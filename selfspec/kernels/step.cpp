@@ -4,7 +4,8 @@
 // part of a step (docs/BENCHMARKS.md has the profile).
 //
 // Same ops, same order, same arguments as the Python path (rms_norm, the packed linears, rope_qkv, attention,
-// silu_mul of ops.cpp / quant.cpp / gemv.cpp), so its results are bit for bit the Python path's.
+// silu_mul of ops.cpp / attention.cpp / qlinear.cpp / qlinear_i8.cpp / gemv.cpp), so its results are bit for bit the
+// Python path's.
 //
 // One layer, rows = B * n (n new tokens of one sequence):
 //   x   = rms_norm(h, input_norm)                        # [B, n, hidden]

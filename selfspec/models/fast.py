@@ -10,10 +10,10 @@ kept for tests and comparison). Same math, fewer and cheaper ops (docs/BENCHMARK
   three ops (``x * cos + roll(x) * sin_signed``, bit-identical to transformers' rotate_half form);
 - keys and values written straight into the static cache, attention by SDPA with grouped-query
   heads (no repeat of the keys), masks built once per call.
-- on CPU in float32, selfspec's fused C++ ops (``selfspec/kernels/ops.cpp``): RMSNorm, rotary + cache write
-  and silu * up for any number of rows (a prefill's rows split over the threads), and causal attention over
-  the cache for any number of queries (also on a prefill, in place of SDPA's flash kernel; token trees' masks
-  go to SDPA), each one call instead of a chain of small torch ops;
+- on CPU in float32, selfspec's fused C++ ops (``selfspec/kernels/ops.cpp``, ``attention.cpp``): RMSNorm,
+  rotary + cache write and silu * up for any number of rows (a prefill's rows split over the threads), and
+  causal attention over the cache for any number of queries (also on a prefill, in place of SDPA's flash
+  kernel; token trees' masks go to SDPA), each one call instead of a chain of small torch ops;
 - and for a causal step of one sequence, every layer of a range in one C++ call (``FastLayer.plan``,
   ``selfspec/kernels/step.cpp``): the same ops in the same order, with no Python between them.
 
@@ -246,7 +246,8 @@ class FastLayer:
         return h
 
     def _fused_ops(self) -> Any:
-        """The compiled ops (``selfspec/kernels/ops.cpp``): a call is only fused when they were built."""
+        """The compiled ops (``selfspec/kernels/ops.cpp``, ``attention.cpp``): a call is only fused when they were
+        built."""
         assert self.ops is not None, "a fused call without the compiled ops"
         return self.ops
 

@@ -3,7 +3,7 @@
 A greedy verification of a block of n rows needs each row's argmax of the LM head, not its logits. At n >= 3
 rows the exact kernel multiplies the output matrix (Qwen2.5-0.5B: 151,936 x 896, the largest matrix of the
 model) at compute cost, while the int8 kernel reads it at the cost of one row. ``qargmax``
-(``selfspec/kernels/quant.cpp``) computes every logit with the int8 kernel, bounds its error per block of 16
+(``selfspec/kernels/qargmax.cpp``) computes every logit with the int8 kernel, bounds its error per block of 16
 output rows, and runs the exact kernel only on the blocks whose bound can reach the best row (a median of 3 blocks
 of 9,496 on Spec-Bench states): the argmax is then that of the exact logits, first index among equals, as
 ``torch.argmax`` of ``qlinear``'s output. Greedy output is unchanged; sampling still takes the full logits.

@@ -30,7 +30,7 @@ from selfspec.progress import quiet_transformers
 from selfspec.quant.modules import QuantEmbedding, QuantLinear
 from selfspec.quant.weight import LANES, QuantWeight, pack_layout
 
-PACK_VERSION = 5  # bump when the packed layout (selfspec/kernels/quant.cpp) or the file's changes: old caches
+PACK_VERSION = 5  # bump when the packed layout (selfspec/kernels/qcodes.h) or the file's changes: old caches
 # are ignored (2: fused runs stored as one tensor; 3: Q6_K's codes as bytes; 4: 5-bit codes as words; 5: the legacy
 # types' scales and offsets as float16)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # what FastLayer fuses (selfspec.models.fast)

@@ -1,4 +1,4 @@
-"""A block-quantized weight matrix, packed once for selfspec's kernels (``selfspec/kernels/quant.cpp``).
+"""A block-quantized weight matrix, packed once for selfspec's kernels (layout: ``selfspec/kernels/qcodes.h``).
 
 ``QuantWeight.from_gguf(raw, type_name, k)`` decodes a GGUF tensor's rows (``selfspec.quant.formats``)
 and interleaves 16 output rows per block, so a column of the block is one vector of codes:
@@ -32,7 +32,7 @@ LANES = 16  # output rows per packed block (one vector register of float32 on AV
 KERNEL_ROWS = 16  # x-rows per kernel call: the kernel keeps one accumulator per x-row and lane vector
 # A prefill multiplies hundreds of x-rows by every weight, so its cost is multiply-adds, not reading weights; the
 # decoding kernel then spends much of its time decoding every weight again for each tile of 8 rows. Two other ways
-# decode each weight once per many rows: panels (``qgemm`` in quant.cpp: a panel of 32 output rows x 256 columns
+# decode each weight once per many rows: panels (``qgemm`` in qgemm.cpp: a panel of 32 output rows x 256 columns
 # dequantized into a cache-resident buffer, register tiles of 12 x-rows x 32 outputs against it) from PANEL_ROWS rows,
 # and tiles of W^T dequantized for torch's GEMM from GEMM_ROWS rows. Which one is fastest depends on the CPU and the
 # weight type (on one CPU torch's GEMM wins at a long prompt, on another the panels win and torch's GEMM is slowest;
@@ -111,7 +111,7 @@ def _pack_codes(codes: np.ndarray, fmt: Format) -> np.ndarray:  # [N_pad, K] -> 
 
 def words5() -> bool:
     """Whether this machine's kernel build packs 5-bit codes as words (AVX-512) or as nibbles and planes (AVX2):
-    the layout each build's paths decode fastest (quant.cpp's header)."""
+    the layout each build's paths decode fastest (qcodes.h's header)."""
     return bool(built_extension().qcodes5_words())
 
 
@@ -120,7 +120,7 @@ def pack_layout() -> str:
     return "w5" if words5() else "p5"
 
 
-def _pack_words5(q: np.ndarray) -> np.ndarray:  # [NB, G, 32, 16] 5-bit codes -> [NB, G, 320] (quant.cpp: "words")
+def _pack_words5(q: np.ndarray) -> np.ndarray:  # [NB, G, 32, 16] 5-bit codes -> [NB, G, 320] (qcodes.h: "words")
     nb, groups, g, _ = q.shape
     if g != WORDS5_GROUP:
         raise ValueError(f"5-bit codes are packed in groups of {WORDS5_GROUP}, got {g}")
