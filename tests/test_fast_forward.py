@@ -185,6 +185,51 @@ def test_ragged_batch_forward_equals_each_sequence_alone(arch):
                     torch.testing.assert_close(c2.values[i][:, :, :n], c1.values[i][:, :, :n], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("weights", ["float32", "Q4_1"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_a_batched_stage_on_the_plan_is_the_per_op_path_bit_for_bit(arch, weights, monkeypatch):
+    """Several sequences' causal blocks through a range of layers in one call of the plan (``StepPlans.run_batch``,
+    16 rows or fewer in all): their states and every cache entry equal the per-op path's (``forward_segments``)
+    exactly; more than 16 rows, or a tree, take the per-op path."""
+    from selfspec.models.plans import StepPlans
+    from selfspec.quant.convert import quantize_model
+
+    model = tiny_model(arch) if weights == "float32" else quantize_model(tiny_model(arch), weights)
+    split = SplitModel(model, "fast")
+    assert split.plans is not None and split.plans.planned
+    calls: list[int] = []
+    real = StepPlans.run_batch
+    monkeypatch.setattr(StepPlans, "run_batch", lambda self, hs, *a: calls.append(sum(h.shape[1] for h in hs))
+                        or real(self, hs, *a))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, VOCAB, (1, p), generator=g) for p in (5, 11, 2)]
+    runs = []
+    for planned in (True, False):
+        split.plans.planned = planned
+        caches = [split.new_cache(8) for _ in prompts]  # too small: the batched steps grow them
+        states = []
+        with torch.inference_mode():
+            for ids, c in zip(prompts, caches):
+                split.run_layers(split.embed(ids), 0, split.num_layers, torch.arange(ids.shape[1])[None], c)
+            for sizes in ([1, 3, 2], [4, 7, 5], [9, 6, 4], [1, 1, 1]):  # 6, 16, 19 (per op) and 3 rows
+                new = [torch.randint(2, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in sizes]
+                pos = [torch.arange(c.lengths[0], c.lengths[0] + n)[None] for c, n in zip(caches, sizes)]
+                hs = split.run_layers_batch([split.embed(x) for x in new], 0, 1, pos, caches)
+                hs = split.run_layers_batch(hs, 1, split.num_layers, pos, caches)
+                states.append([h.clone() for h in hs])
+        runs.append((states, caches))
+    split.plans.planned = True
+    (a, ca), (b, cb) = runs
+    assert all(torch.equal(x, y) for sa, sb in zip(a, b) for x, y in zip(sa, sb))
+    for c1, c2 in zip(ca, cb):
+        assert c1.lengths == c2.lengths
+        for i in range(split.num_layers):
+            n = c1.lengths[i]
+            assert torch.equal(c1.keys[i][:, :, :n], c2.keys[i][:, :, :n])
+            assert torch.equal(c1.values[i][:, :, :n], c2.values[i][:, :, :n])
+    assert 6 in calls and 16 in calls and 3 in calls
+
+
 @pytest.mark.parametrize("b,n,hq,hkv,d,start,window", [
     (1, 1, 14, 2, 64, 200, 0), (1, 4, 14, 2, 64, 255, 0), (2, 3, 9, 3, 64, 30, 0), (1, 8, 14, 2, 64, 100, 16),
     (1, 16, 4, 1, 32, 5, 0), (1, 5, 8, 8, 128, 40, 7), (1, 1, 9, 3, 64, 0, 0), (1, 13, 6, 2, 80, 3, 0),

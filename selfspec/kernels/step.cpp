@@ -83,6 +83,14 @@ float* scratch(size_t floats) {
 
 inline int64_t padded(int64_t floats) { return (floats + 15) / 16 * 16; }  // a 64-byte multiple
 
+// One sequence's rows in a layer call over several sequences: rows [offset, offset + n) of the block, their
+// rotary rows [B, n, rot], this layer's cache buffers of that sequence and its length before the call.
+struct Segment {
+  int64_t offset, n;
+  at::Tensor cos, sin, keys, values;
+  int64_t start;
+};
+
 struct LayerPlan {
   Linear qkv, o, gate_up, down;
   at::Tensor input_norm, post_norm, q_norm, k_norm;  // q_norm, k_norm: empty unless the layer has them
@@ -91,26 +99,41 @@ struct LayerPlan {
   double scaling;
 
   // h [B, n, hidden] (contiguous, updated in place); keys / values [B, hkv, capacity, d] this layer's cache,
-  // entries [start, start + n) written here; cos / sin [B, n, rot] contiguous. The kernels on raw pointers with
-  // the intermediate rows in this thread's scratch (no tensor made): the same calls, in the same order and with
-  // the same arguments as the tensor functions, so bit for bit their results.
+  // entries [start, start + n) written here; cos / sin [B, n, rot] contiguous.
   void forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
                const at::Tensor& values, int64_t start) const {
-    const int64_t B = h.size(0), n = h.size(1), hidden = h.size(2), rows = B * n, d = head_dim;
-    const int64_t cap = keys.size(2), rot = cos.size(-1), inter = gate_up.out_features / 2;
+    forward_segments(h, {Segment{0, h.size(1), cos, sin, keys, values, start}});
+  }
+
+  // The layer over the rows of several sequences at once (``FastLayer.forward_segments``): h [B, R, hidden] holds
+  // each segment's rows [offset, offset + n) (B = 1 with several segments), each attending to its own cache; the
+  // norms and linears run over all rows, rotary + cache write and attention per segment. The kernels on raw
+  // pointers with the intermediate rows in this thread's scratch (no tensor made): the same calls, in the same
+  // order and with the same arguments as the tensor functions, so bit for bit their results.
+  void forward_segments(const at::Tensor& h, const std::vector<Segment>& segs) const {
+    const int64_t B = h.size(0), R = h.size(1), hidden = h.size(2), rows = B * R, d = head_dim;
+    const int64_t inter = gate_up.out_features / 2;
     const int64_t W = qkv.out_features;  // (hq + 2 hkv) d
     TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == at::kFloat && rows >= 1 && rows <= 16 &&
                     hidden == qkv.in_features(),
                 "h: [B, n, hidden] float32 contiguous, 1-16 rows");
-    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == B && keys.size(1) == hkv && keys.size(3) == d &&
-                    keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() &&
-                    keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
-                "keys, values: [B, hkv, capacity, head_dim] float32 contiguous");
-    TORCH_CHECK(start >= 0 && start + n <= cap, "cache too small");
-    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                    sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && cos.numel() == rows * rot &&
-                    rot <= d,
-                "cos, sin: [B, n, rot] float32 contiguous");
+    TORCH_CHECK(!segs.empty() && (B == 1 || segs.size() == 1), "segments of one row block (B = 1 with several)");
+    int64_t covered = 0;
+    for (const Segment& g : segs) {
+      const int64_t cap = g.keys.size(2), rot = g.cos.size(-1);
+      TORCH_CHECK(g.offset == covered && g.n >= 1, "segments cover the rows in order");
+      covered += g.n;
+      TORCH_CHECK(g.keys.dim() == 4 && g.keys.size(0) == B && g.keys.size(1) == hkv && g.keys.size(3) == d &&
+                      g.keys.is_contiguous() && g.values.sizes() == g.keys.sizes() && g.values.is_contiguous() &&
+                      g.keys.scalar_type() == at::kFloat && g.values.scalar_type() == at::kFloat,
+                  "keys, values: [B, hkv, capacity, head_dim] float32 contiguous");
+      TORCH_CHECK(g.start >= 0 && g.start + g.n <= cap, "cache too small");
+      TORCH_CHECK(g.cos.is_contiguous() && g.sin.is_contiguous() && g.cos.scalar_type() == at::kFloat &&
+                      g.sin.sizes() == g.cos.sizes() && g.sin.scalar_type() == at::kFloat &&
+                      g.cos.numel() == B * g.n * rot && rot <= d,
+                  "cos, sin: [B, n, rot] float32 contiguous");
+    }
+    TORCH_CHECK(covered == R, "segments cover the rows");
     float* hp = h.data_ptr<float>();
     float* x = scratch(padded(rows * hidden) + padded(rows * W) + 2 * padded(rows * hq * d) +
                        padded(rows * 2 * inter) + padded(rows * inter));
@@ -127,10 +150,13 @@ struct LayerPlan {
         raw::rms_norm(y + r * W + hq * d, k_norm.data_ptr<float>(), y + r * W + hq * d, hkv, d, k_eps);
       }
     }
-    raw::rope_qkv(y, cos.data_ptr<float>(), sin.data_ptr<float>(), q, keys.data_ptr<float>(),
-                  values.data_ptr<float>(), B, n, hq, hkv, d, cap, start, rot);
-    raw::attention(q, keys.data_ptr<float>(), values.data_ptr<float>(), a, B, n, hq, d, hkv, cap, start, window,
-                   scaling);
+    for (const Segment& g : segs) {  // each sequence's rotary, cache write and attention over its own cache
+      const int64_t cap = g.keys.size(2), rot = g.cos.size(-1), at = g.offset;
+      raw::rope_qkv(y + at * W, g.cos.data_ptr<float>(), g.sin.data_ptr<float>(), q + at * hq * d,
+                    g.keys.data_ptr<float>(), g.values.data_ptr<float>(), B, g.n, hq, hkv, d, cap, g.start, rot);
+      raw::attention(q + at * hq * d, g.keys.data_ptr<float>(), g.values.data_ptr<float>(), a + at * hq * d, B,
+                     g.n, hq, d, hkv, cap, g.start, window, scaling);
+    }
     o.apply(a, rows, hp, hidden, true);
     raw::rms_norm(hp, post_norm.data_ptr<float>(), x, rows, hidden, post_eps);
     gate_up.apply(x, rows, gu, 2 * inter, false);
@@ -286,6 +312,37 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor> run_plan(
     argmax_ids(*p.head, h.data_ptr<float>(), rows, ids.data_ptr<int64_t>());
   }
   return {h, tapped, ids};
+}
+
+// Layers [a, b) of several sequences' causal rows at once (a batched round's stage, ``StepPlans.run_batch``): h
+// [1, R, hidden] (updated in place) holds sequence j's rows from offsets[j], ns[j] of them; per sequence, per rotary
+// kind its cos / sin table [1, >= positions[j] + ns[j], rot] and its first row's position in it, and per layer of
+// [a, b) its cache buffers and length (index [j][i - a]). Every weight is read once for all rows, each sequence
+// attends to its own cache: bit for bit the per-op path's ``forward_segments``.
+void run_segments(const StepPlan& p, int64_t a, int64_t b, const at::Tensor& h, const std::vector<int64_t>& offsets,
+                  const std::vector<int64_t>& ns, const std::vector<std::vector<at::Tensor>>& cos,
+                  const std::vector<std::vector<at::Tensor>>& sin, const std::vector<int64_t>& positions,
+                  const std::vector<std::vector<at::Tensor>>& keys, const std::vector<std::vector<at::Tensor>>& values,
+                  const std::vector<std::vector<int64_t>>& starts) {
+  const size_t S = offsets.size();
+  TORCH_CHECK(S >= 1 && ns.size() == S && cos.size() == S && sin.size() == S && positions.size() == S &&
+                  keys.size() == S && values.size() == S && starts.size() == S,
+              "per sequence its offset, rows, rotary tables, position and caches");
+  TORCH_CHECK(h.dim() == 3 && h.size(0) == 1, "rows: [1, R, hidden]");
+  std::vector<std::vector<at::Tensor>> c(S), s(S);
+  for (size_t j = 0; j < S; ++j) {
+    check_range(p, a, b, keys[j].size(), {});
+    TORCH_CHECK(values[j].size() == keys[j].size() && starts[j].size() == keys[j].size(),
+                "one cache buffer and start per layer");
+    rotary_rows(p, a, b, positions[j], ns[j], cos[j], sin[j], c[j], s[j]);
+  }
+  std::vector<Segment> segs(S);
+  for (int64_t i = a; i < b; ++i) {
+    for (size_t j = 0; j < S; ++j)
+      segs[j] = Segment{offsets[j], ns[j], c[j][i - a], s[j][i - a], keys[j][i - a], values[j][i - a],
+                        starts[j][i - a]};
+    p.layers[i]->forward_segments(h, segs);
+  }
 }
 
 // A deep head's draft step (selfspec/heads/deep.py, ``DeepContextHead.draft_step``): ``features`` and
@@ -478,6 +535,9 @@ void bind_step(pybind11::module_& m) {
   m.def("run_plan", &run_plan,
         "a causal step's rows (or a token's embedding row) through layers [a, b) of a plan, the taps' rows kept, "
         "then each row's argmax if asked",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("run_segments", &run_segments,
+        "several sequences' causal rows through layers [a, b) of a plan at once, each over its own cache",
         py::call_guard<py::gil_scoped_release>());
   m.def("draft_or_step", &draft_or_step,
         "a deep head's first draft of a greedy round, and below the confidence bar the rest of the plain step",

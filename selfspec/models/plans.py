@@ -8,11 +8,12 @@ so bit for bit its results, without Python between the ~10 ops of each layer:
     plain greedy step           token -> embedding row -> layers [0, L) -> argmax        ``step``
     a round that drafts nothing the same, keeping the rows entering layer k (a tap)      ``step(taps=(k,))``
     a draft, a verification     rows -> layers [a, b)                                    ``run``
+    a batched round's stage     several sequences' rows -> layers [a, b), each its cache ``run_batch``
     a block's greedy verdict    rows -> argmax (no layers)                               ``argmax``
 
 A deep head's first draft (``draft_or_step``) runs the same plan in two ranges around the head's own step. What the
-plan does not cover takes the per-op path: token trees, ragged batches, more than 16 rows (prefill), Gemma's sandwich
-norms, anything not float32; ``backend="reference"`` runs transformers' modules.
+plan does not cover takes the per-op path: token trees, more than 16 rows (a prefill, a large batch), Gemma's
+sandwich norms, anything not float32; ``backend="reference"`` runs transformers' modules.
 """
 
 from __future__ import annotations
@@ -100,6 +101,25 @@ class StepPlans:
         self.ops.run_plan(self.plan, start, end, out, -1, first, tables[0], tables[1], cache.keys[start:end],
                           cache.values[start:end], starts, [], False)
         return out
+
+    def run_batch(self, hs: list[torch.Tensor], start: int, end: int, positions: list[torch.Tensor],
+                  caches: list[KVCache], trees: list[Any], tails: list[int | None]) -> list[torch.Tensor] | None:
+        """Layers [start, end) of several sequences' causal blocks in one call (a batched round's stage), each over
+        its own cache, every weight read once for all rows; ``hs`` stay as they were. None (nothing done) where the
+        plan does not cover them: a tree, more than 16 rows in all, a tail that cuts rows, not float32."""
+        sizes = [h.shape[1] for h in hs]
+        if (not self.planned or sum(sizes) > MAX_GEMV_ROWS or any(t is not None for t in trees)
+                or any(h.shape[0] != 1 or h.dtype != torch.float32 for h in hs)
+                or any(t is not None and t < n for t, n in zip(tails, sizes))):
+            return None
+        offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+        tables = [self._tables(h, p) for h, p in zip(hs, positions)]
+        starts = [cache.reserve_all(n, start, end) for cache, n in zip(caches, sizes)]  # first: may grow buffers
+        h = torch.cat(hs, dim=1)  # a new tensor, updated in place
+        self.ops.run_segments(self.plan, start, end, h, offsets, sizes, [t[0][0] for t in tables],
+                              [t[0][1] for t in tables], [t[1] for t in tables], [c.keys[start:end] for c in caches],
+                              [c.values[start:end] for c in caches], starts)
+        return [h[:, o : o + n] for o, n in zip(offsets, sizes)]
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:  # [rows, hidden] last-layer states -> [rows] int64
         """Each row's argmax of the final norm and LM head in one call, or None without the plan's head."""

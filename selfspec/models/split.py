@@ -198,8 +198,13 @@ class SplitModel:
             return [self.run_layers(h, start, end, p, c, t) for h, p, c, t in zip(hs, positions, caches, trees)]
         if start >= end:
             return hs
-        if len(hs) == 1 and self.plans is not None and self.plans.covers(hs[0], trees[0]):
-            return [self.plans.run(hs[0], start, end, positions[0], caches[0])]  # one call (models/plans.py)
+        if self.plans is not None:  # one call of the compiled plan where it covers the rows (models/plans.py)
+            if len(hs) == 1 and self.plans.covers(hs[0], trees[0]):
+                return [self.plans.run(hs[0], start, end, positions[0], caches[0])]
+            if len(hs) > 1:
+                batched = self.plans.run_batch(hs, start, end, positions, caches, trees, tails)
+                if batched is not None:
+                    return batched
         sizes = [h.shape[1] for h in hs]
         offsets = [sum(sizes[:j]) for j in range(len(sizes))]
         h = torch.cat(hs, dim=1)  # a new tensor: the fast layers update it in place, the callers keep theirs
