@@ -12,7 +12,8 @@ from conftest import LAYERS, tiny_model, tiny_tokenizer
 from selfspec import DraftConfig, SelfSpec
 from selfspec.bench.forward import RANGES, ForwardBenchConfig, format_tables, measure_bandwidth, run
 from selfspec.cli import build_parser, main
-from selfspec.config import ModelConfig, config_from_args
+from selfspec.cli_options import config_from_args
+from selfspec.config import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

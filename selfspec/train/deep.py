@@ -25,7 +25,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from selfspec.config import ModelConfig, add_command, config_from_args, int_set, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import ModelConfig, int_set, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.deep import DeepContextHead
 from selfspec.heads.io import load_head, new_head, save_head
