@@ -33,13 +33,12 @@ from selfspec.train.deep import (
     deep_loss,
     evaluate_deep,
     label_order,
-    resume,
     save_trained,
     target_probs,
-    train_steps,
     vocab_label_map,
 )
 from selfspec.train.features import load_features
+from selfspec.train.loop import resume, train_steps
 
 
 @dataclass
