@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -46,6 +45,7 @@ from selfspec.calibration import (
 from selfspec.costs import DraftCosts, acceptance_needed, best_gamma, measure_draft_costs
 from selfspec.heads.base import ExitHead, head_identity, model_fingerprint
 from selfspec.kernels.build import kernel_source_hash
+from selfspec.machine import cpu_name
 from selfspec.memory import trim_heap
 from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
@@ -97,7 +97,7 @@ def tuning_key(split: SplitModel, head: ExitHead) -> dict[str, Any]:
     return {"version": TUNING_VERSION, "model": model_fingerprint(split), "weights": weights, "head": head_id, "kind": head.kind,
             "vocab_drafted": len(head.vocab_ids),
             "draft_weights": head.draft_weights, "dtype": str(split.dtype), "backend": split.backend, "kernel": split.kernel,
-            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "cpu": cpu_name(),
             "device": str(split.device), "kernels": kernel_source_hash()}
 
 

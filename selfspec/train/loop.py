@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from selfspec.errors import InvalidConfigError
-from selfspec.kernels.build import cpu_flags
+from selfspec.machine import cpu_info
 from selfspec.progress import progress
 from selfspec.train.features import FeatureSet
 from selfspec.train.trainer import cosine_lr
@@ -60,7 +60,7 @@ def bf16_native() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX: oneDNN's bf16 GEMM then does twice
     the multiply-adds of float32 per instruction; docs/TRAINING.md). Elsewhere bf16 is emulated and no faster."""
     supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # absent from builds without oneDNN
-    return bool(supported is not None and supported() and set(cpu_flags().split()) & {"avx512_bf16", "amx_bf16"})
+    return bool(supported is not None and supported() and cpu_info().flags & {"avx512_bf16", "amx_bf16"})
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
