@@ -17,14 +17,8 @@ from selfspec.bench.pipeline import add_parser as add_bench_pipeline
 from selfspec.bench.quick import add_parser as add_bench_quick
 from selfspec.bench.rounds import add_parser as add_bench_rounds
 from selfspec.bench.specbench import add_parser as add_bench
-from selfspec.config import (
-    DraftConfig,
-    GenerateConfig,
-    ModelConfig,
-    PipelineConfig,
-    add_config_args,
-    config_from_args,
-)
+from selfspec.cli_options import add_config_args, config_from_args
+from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, PipelineConfig
 from selfspec.demo import add_parser as add_demo
 from selfspec.engine import validate_request
 from selfspec.errors import SelfSpecError

@@ -2,18 +2,22 @@
 
 Every field carries its documentation in ``metadata["help"]``: the CLI builds its
 options from these (same names everywhere, ``max_new_tokens`` <-> ``--max-new-tokens``)
-and every results file records ``asdict(config)``. ``add_config_args`` / ``config_from_args``
-(at the end) are that mapping: a config's fields as argparse options, and the parsed options back
-as a config; every command module uses them.
+and every results file records ``asdict(config)``. selfspec.cli_options is that mapping (a config's fields
+as argparse options, the parsed options back as a config, a setting's text as a field's value); its
+functions are also importable from here. It stays a small argparse builder rather than tyro, jsonargparse or
+pydantic-settings because none of those keeps the options as they are (its docstring has the details).
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
+# also importable from here, where the bench commands import them (explicit re-exports)
+from selfspec.cli_options import add_command as add_command
+from selfspec.cli_options import add_config_args as add_config_args
+from selfspec.cli_options import config_from_args as config_from_args
+from selfspec.cli_options import parse_field
 from selfspec.errors import InvalidConfigError
 
 
@@ -24,8 +28,23 @@ def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - "help" is th
     return field(default=default, metadata={"help": help, **kw})
 
 
+class Config:
+    """Base of the configs below: ``to_dict`` (what a results file records) and ``parse_field``."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # set by @dataclass on each config; typed for asdict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def parse_field(cls, name: str, text: str) -> Any:
+        """The value of field ``name`` that ``text`` spells (selfspec.cli_options.parse_field), e.g.
+        ``DraftConfig.parse_field("gamma", "none")`` -> None."""
+        return parse_field(cls, name, text)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Config):
     """Which target model to load and how."""
 
     model: str = opt(
@@ -77,12 +96,9 @@ class ModelConfig:
         choices=["fast", "reference"],
     )
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
-class DraftConfig:
+class DraftConfig(Config):
     """How the draft is made: exit layer, exit head, drafting policy."""
 
     drafter: str = opt(
@@ -217,12 +233,9 @@ class DraftConfig:
         None, "specee-verified: a draft token may exit only at layers up to this one (None: the predictors' own "
         "recommendation, else any layer with a predictor); deeper exits cost most of a forward per draft.")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
-class GenerateConfig:
+class GenerateConfig(Config):
     """One generation request: length, stops, sampling, and decoding method."""
 
     max_new_tokens: int = opt(256, "Most new tokens to generate.")
@@ -254,12 +267,9 @@ class GenerateConfig:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
-class PipelineConfig:
+class PipelineConfig(Config):
     """Drafting and verifying at the same time (selfspec.pipeline, docs/PIPELINE.md)."""
 
     mode: str = opt(
@@ -286,9 +296,6 @@ class PipelineConfig:
     mirror_top_k: int = opt(2, "Mirror-SD: candidates per early signal; the draft opens a branch for each.")
     timeout: float = opt(120.0, "Seconds a stage waits for the other before the request fails.")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def int_set(text: str, what: str) -> list[int]:
     """A comma-separated list of integers, e.g. a settings field's "3,12" -> [3, 12] (sorted, distinct); ``what``
@@ -312,83 +319,3 @@ def field_defaults(cls: type) -> dict[str, Any]:
         elif f.default_factory is not MISSING:  # type: ignore[misc]
             out[f.name] = f.default_factory()  # type: ignore[misc]
     return out
-
-
-# ---- configs <-> command-line options ------------------------------------------------------------
-def _type_of(f: Any) -> tuple[Any, bool]:
-    """(argparse type, is_list) from a dataclass field's annotation string."""
-    t = str(f.type)
-    if t.startswith("list[str]"):
-        return str, True
-    if t.startswith("list[int]"):
-        return int, True
-    for name, typ in (("int", int), ("float", float), ("bool", bool)):
-        if t.startswith(name):
-            return typ, False
-    return str, False
-
-
-def _list_item(typ: type, choices: list[Any] | None) -> Any:
-    """The argparse ``type`` of a list option: each occurrence gives one value or several, comma-separated
-    (``--block-sizes 1,2,4`` = ``--block-sizes 1 --block-sizes 2 --block-sizes 4``)."""
-
-    def parse(text: str) -> list[Any]:
-        values = [typ(part.strip()) for part in text.split(",") if part.strip()]
-        bad = [v for v in values if choices is not None and v not in choices]
-        if bad:
-            raise argparse.ArgumentTypeError(f"invalid choice: {bad[0]!r} (choose from {', '.join(map(str, choices or []))})")
-        return values
-
-    parse.__name__ = typ.__name__  # argparse names the type in its error: "invalid int value: '1,x'"
-    return parse
-
-
-def add_command(sub: Any, name: str, configs: tuple[type, ...], func: Callable[[argparse.Namespace], int],
-                help: str) -> argparse.ArgumentParser:
-    """The subcommand ``name`` on ``sub`` (the CLI's subparsers): one option per field of each dataclass in
-    ``configs`` (``add_config_args``, in that order), run by ``func``; returns its parser for any further options."""
-    p = sub.add_parser(name, help=help)
-    for cls in configs:
-        add_config_args(p, cls)
-    p.set_defaults(func=func)
-    return p
-
-
-def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """Add one option per field of the dataclass ``cls`` (``max_new_tokens`` -> ``--max-new-tokens``), in
-    an argument group named after it; the field's ``help`` and ``choices`` metadata become the option's.
-    A list field's option may be repeated and each value may list several, comma-separated (unless the
-    field's metadata says ``comma_separated=False``: then one value per occurrence)."""
-    group = parser.add_argument_group(cls.__name__, cls.__doc__)
-    for f in fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        typ, is_list = _type_of(f)
-        default = f.default if f.default is not MISSING else None
-        kw: dict[str, Any] = {"dest": f"{cls.__name__}.{f.name}", "help": f.metadata.get("help", "")}
-        if typ is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kw)
-            continue
-        if is_list and f.metadata.get("comma_separated", True):
-            group.add_argument(flag, type=_list_item(typ, f.metadata.get("choices")), action="extend", default=None,
-                               **kw)
-            continue
-        if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
-        if is_list:
-            group.add_argument(flag, type=typ, action="append", default=None, **kw)
-        else:
-            group.add_argument(flag, type=typ, default=default, **kw)
-
-
-def config_from_args(args: argparse.Namespace, cls: type, **extra: Any) -> Any:
-    """The ``cls`` config of parsed options (added by ``add_config_args``): options not given keep the
-    field's default; ``extra`` overrides."""
-    kw = {}
-    for f in fields(cls):
-        key = f"{cls.__name__}.{f.name}"
-        if hasattr(args, key) and getattr(args, key) is not None:
-            kw[f.name] = getattr(args, key)
-    kw.update(extra)
-    return cls(**kw)

@@ -42,7 +42,7 @@ from selfspec.costs import DraftCosts, measure_draft_costs, time_layers
 from selfspec.heads.base import ExitHead
 from selfspec.heads.identity import head_identity, model_fingerprint
 from selfspec.kernels.build import cpu_flags, kernel_source_hash
-from selfspec.machine import cpu_info
+from selfspec.machine import cpu_name
 from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
 
@@ -57,10 +57,6 @@ CHECK_BUDGET = 0.3  # ... or fewer once this many seconds are spent (a contended
 
 
 @lru_cache(maxsize=1)
-def _cpu_name() -> str:
-    return cpu_info().name or platform.processor() or platform.machine()
-
-
 def _quantization(split: SplitModel) -> list[str]:
     """The block types of a quantized model's weights (``selfspec.quant``), '+int8' in the int8 numerics."""
     types = set()
@@ -76,7 +72,7 @@ def cost_key(split: SplitModel, head: ExitHead, depth: int) -> dict[str, Any]:
     c = split.config
     return {
         "version": COSTS_VERSION,
-        "machine": {"cpu": _cpu_name(), "flags": hashlib.sha256(cpu_flags().encode()).hexdigest()[:12],
+        "machine": {"cpu": cpu_name(), "flags": hashlib.sha256(cpu_flags().encode()).hexdigest()[:12],
                     "arch": platform.machine(), "threads": torch.get_num_threads(), "device": str(split.device)},
         "model": {**model_fingerprint(split), "intermediate_size": getattr(c, "intermediate_size", None),
                   "windows": split.windows, "dtype": str(split.dtype), "quantization": _quantization(split),

@@ -17,7 +17,7 @@ with E[accepted | g] = sum_{i <= g} prod_{j <= i} a_j for per-position acceptanc
 engine picks the g with the best speedup, and g = 0 (plain decoding) when no g beats 1.
 
 overhead(g) = t_round + g * t_per_draft (0 at g = 0) is what a drafting round costs beyond its layers and head
-calls, measured by the calibration on real rounds against real plain steps (``selfspec.tuning.round_overhead``):
+calls, measured by the calibration on real rounds against real plain steps (``selfspec.calibration.round_overhead``):
 the head catching up on the tokens verified since its last call, the drafts' and the verdict's Python. Left out,
 the model prices a drafting round below what the engine spends on it, and drafts where drafts lose.
 """
@@ -116,7 +116,7 @@ class DraftCosts:
     t_deep: dict[int, float] = field(default_factory=dict)  # n -> layers [k, L) + LM head for n tokens
     t_shallow_block: dict[int, float] = field(default_factory=dict)  # n -> layers [0, k) for n tokens at once
     tree_width: int = 1  # > 1: rounds draft token trees of this many nodes per depth (drafting.tree)
-    t_round: float = 0.0  # a drafting round's measured cost beyond its layers and head calls (tuning.round_overhead)
+    t_round: float = 0.0  # a drafting round's measured cost beyond its layers and head calls (calibration.round_overhead)
     t_per_draft: float = 0.0  # ... and beyond them per draft token
     # Whether a blank round (the head ran, its first draft refused) pays t_round too; not when the head's first draft
     # and the rest of the step are one compiled call (``DeepContextHead.draft_or_step``): then only the head's cost

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from selfspec.api import SelfSpec
-from selfspec.config import ModelConfig, add_config_args, config_from_args, opt
+from selfspec.cli_options import add_config_args, config_from_args
+from selfspec.config import ModelConfig, opt
 
 DEMO_PROMPT = "Write a short poem about speculative decoding, then explain the idea in two sentences."
 

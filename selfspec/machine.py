@@ -91,4 +91,10 @@ def cpu_info() -> CpuInfo:
         return CpuInfo(name=platform.processor())
 
 
-__all__ = ["CpuInfo", "cpu_info", "parse_cpuinfo"]
+def cpu_name() -> str:
+    """This CPU's model name for cache keys and records: the processor's or the architecture's name where
+    /proc/cpuinfo gives none."""
+    return cpu_info().name or platform.processor() or platform.machine()
+
+
+__all__ = ["CpuInfo", "cpu_info", "cpu_name", "parse_cpuinfo"]

@@ -1,4 +1,4 @@
-"""Resident memory: this process's figure, and giving freed heap pages back to the system.
+"""Resident memory: a process's figure (``resident_mb``), and giving freed heap pages back to the system.
 
 Loading a model frees much more than it keeps: a GGUF's decoded blocks, the tokenizer's parsed JSON, the
 calibration forwards' caches and activations. glibc's malloc keeps such freed pages in its arenas (they stay
@@ -55,9 +55,10 @@ def proc_mb(path: str, field: str, default: float = float("nan")) -> float:
     return default
 
 
-def resident_mb() -> float:
-    """This process's resident memory (VmRSS) in MiB, NaN where /proc is not available."""
-    return proc_mb("/proc/self/status", "VmRSS")
+def resident_mb(pid: int | str = "self") -> float:
+    """The resident memory (VmRSS) of process ``pid`` (default: this one) in MiB, NaN where /proc or the process
+    is not there."""
+    return proc_mb(f"/proc/{pid}/status", "VmRSS")
 
 
 def file_mappings() -> list[tuple[int, int, str, int]]:

@@ -274,7 +274,7 @@ def test_nested_bandit_and_thompson_sampling_keep_the_distribution(tmp_path):
 
 # ---- self-tuning ---------------------------------------------------------------------------------------
 def test_calibration_replays_confidence_stops_on_recorded_rounds():
-    from selfspec.tuning import _Recorder, simulate
+    from selfspec.calibration import _Recorder, simulate
 
     c = costs()
     rounds = [([0.9, 0.2], 2), ([0.3, 0.9], 0)]  # (confidence per draft position, drafts accepted)
@@ -292,10 +292,10 @@ def test_calibration_replays_confidence_stops_on_recorded_rounds():
 
 
 def test_round_overhead_is_priced_in_every_drafting_round():
-    """The measured overhead of a drafting round (tuning.round_overhead) counts in every round that drafts, chains and
+    """The measured overhead of a drafting round (calibration.round_overhead) counts in every round that drafts, chains and
     trees, never in a plain step; it survives the cost cache's JSON, and enough of it makes drafting not pay."""
+    from selfspec.calibration import simulate
     from selfspec.costs import best_gamma
-    from selfspec.tuning import simulate
 
     c = replace(costs(), t_round=0.2, t_per_draft=0.05)
     base = c.layers_only()

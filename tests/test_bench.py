@@ -304,7 +304,7 @@ def test_method_specs(tiny_ss, tmp_path):
     assert parse_method("selfspec:gamma=none,policy=confidence,tune=off", cfg, tiny_ss).draft.threshold == 0.5
     assert parse_method("selfspec:explore=true", cfg, tiny_ss).draft.explore is True
     assert parse_method("selfspec:explore=off", cfg, tiny_ss).draft.explore is False
-    for bad, msg in (("selfspec:explore=maybe", "is not true or false"), ("nope", "unknown method"), ("selfspec-trained", "needs a trained exit head"),
+    for bad, msg in (("selfspec:explore=maybe", "invalid bool value"), ("nope", "unknown method"), ("selfspec-trained", "needs a trained exit head"),
                      ("selfspec:depth=3", "unknown selfspec setting"), ("selfspec:exit_layer=9", "out of range"),
                      ("selfspec-lm-greedy", "unknown drafting policy"), ("hf:x=1", "takes no settings")):
         with pytest.raises(InvalidConfigError if "range" not in msg else Exception, match=msg):

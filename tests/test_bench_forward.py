@@ -14,7 +14,8 @@ from selfspec.bench.forward import ForwardBenchConfig, measure_bandwidth, run
 from selfspec.bench.forward_ranges import RANGES
 from selfspec.bench.forward_report import format_tables
 from selfspec.cli import build_parser, main
-from selfspec.config import ModelConfig, config_from_args
+from selfspec.cli_options import config_from_args
+from selfspec.config import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,5 +1,5 @@
 """The command line's parser: the command table, list options (comma-separated and/or repeated), and
-config <-> option mapping (selfspec.config.add_config_args / config_from_args). Nothing is run."""
+config <-> option mapping and the text -> field value converter (selfspec.cli_options). Nothing is run."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from selfspec.bench.methods import split_specs
 from selfspec.bench.quick import QuickBenchConfig
 from selfspec.bench.specbench import run_parser
 from selfspec.cli import COMMANDS, build_parser
-from selfspec.config import GenerateConfig, add_config_args, config_from_args, opt
+from selfspec.cli_options import add_config_args, config_from_args, parse_field
+from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, opt
+from selfspec.errors import InvalidConfigError
 from selfspec.train.sweep import SweepConfig
 
 COMMAND_NAMES = ["generate", "demo", "bench-quick", "bench-forward", "bench-rounds", "bench", "bench-batch",
@@ -137,3 +139,51 @@ def test_every_command_prints_its_help() -> None:
     (say '5-10% faster') broke --help of every command taking that config."""
     for name, sub in subparsers(build_parser()).items():
         assert sub.format_help().startswith("usage:"), name
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("count", "5", 5), ("count", " 7 ", 7), ("ratio", "0.25", 0.25), ("ratio", "none", None), ("ratio", "NULL", None),
+    ("flag", "true", True), ("flag", "off", False), ("flag", "1", True), ("flag", "no", False),
+    ("mode", "b", "b"), ("sizes", "1, 2,4", [1, 2, 4]), ("kinds", "y,x", ["y", "x"]), ("skipped", "none", "none"),
+])
+def test_parse_field_converts_by_the_fields_type(name, text, expected) -> None:
+    assert parse_field(Toy, name, text) == expected
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("count", "1.5", "Toy.count: invalid int value: '1.5'"),
+    ("count", "none", "Toy.count: invalid int value: 'none'"),  # an int field that may not be None
+    ("ratio", "half", "Toy.ratio: invalid float value: 'half'"),
+    ("flag", "maybe", "Toy.flag: invalid bool value: 'maybe' (true/false, yes/no, on/off, 1/0)"),
+    ("mode", "c", "Toy.mode: invalid choice: 'c' (choose from a, b)"),
+    ("sizes", "1,x", "Toy.sizes: invalid int value: '1,x'"),
+    ("kinds", "x,z", "Toy.kinds: invalid choice: 'z' (choose from x, y)"),
+    ("nope", "1", "unknown Toy field 'nope' (known: count, ratio, flag, mode, sizes, kinds, skipped)"),
+])
+def test_parse_field_names_the_problem(name, text, message) -> None:
+    with pytest.raises(InvalidConfigError) as e:
+        parse_field(Toy, name, text)
+    assert str(e.value) == message
+
+
+def test_parse_field_reads_the_real_configs() -> None:
+    """The configs' own fields, through their classmethod (what `selfspec bench --methods selfspec:K=V` uses)."""
+    assert DraftConfig.parse_field("gamma", "none") is None and DraftConfig.parse_field("gamma", "3") == 3
+    assert DraftConfig.parse_field("depth_policy", "none") is None
+    assert DraftConfig.parse_field("threshold", "0.6") == 0.6 and DraftConfig.parse_field("explore", "yes") is True
+    assert GenerateConfig.parse_field("eos_token_ids", "2,7") == [2, 7]
+    assert GenerateConfig.parse_field("stop", "a, b") == ["a, b"]  # stop strings keep their commas
+    with pytest.raises(InvalidConfigError, match="invalid choice: 'x'"):
+        DraftConfig.parse_field("policy", "x")
+
+
+def test_none_on_the_command_line() -> None:
+    """A field that may be None takes "none", also where its default is not None; a value not given keeps the
+    default."""
+    gen = config_from_args(parse("generate", "x", "--seed", "none"), GenerateConfig)
+    assert gen.seed is None
+    draft = config_from_args(parse("generate", "x", "--head-context", "none", "--gamma", "2"), DraftConfig)
+    assert draft.head_context is None and draft.gamma == 2
+    assert config_from_args(parse("generate", "x"), DraftConfig) == DraftConfig()
+    assert config_from_args(parse("generate", "x", "--quantize", "none"), ModelConfig).quantize is None
+    assert toy("--ratio", "none").ratio is None

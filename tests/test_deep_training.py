@@ -15,7 +15,7 @@ from conftest import hf_greedy, tiny_model, tiny_tokenizer
 from selfspec import DraftConfig, SelfSpec
 from selfspec.errors import ExitLayerError, InvalidConfigError, ModelNotFoundError
 from selfspec.heads.io import load_head
-from selfspec.train.deep import DeepTrainConfig, autocast_dtype, fitted_schedule, train_deep_head
+from selfspec.train.deep import DeepTrainConfig, train_deep_head
 from selfspec.train.features import (
     FeatureConfig,
     collect_features,
@@ -23,6 +23,7 @@ from selfspec.train.features import (
     load_exit_features,
     load_features,
 )
+from selfspec.train.loop import autocast_dtype, fitted_schedule
 from selfspec.train.sharegpt import conversations, is_heldout, iter_records, messages_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -208,8 +208,9 @@ def test_a_blank_round_with_the_one_call_pays_the_head_not_the_round_overhead():
     policy's expected speed and in the calibration's replay."""
     from dataclasses import replace
 
+    from selfspec.calibration import simulate
     from selfspec.costs import DraftCosts, speedup_with_blanks
-    from selfspec.tuning import for_head, simulate
+    from selfspec.tuning import for_head
 
     costs = DraftCosts(0, 0.0, 0.001, {1: 0.010, 2: 0.013, 4: 0.018}, t_round=0.002)
     free = replace(costs, blank_overhead=False)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
 
 from selfspec.kernels.build import built_extension
-from selfspec.quant import weight
+from selfspec.quant import packing, weight
 from selfspec.quant.formats import FORMATS, UnsupportedQuantError, check_type, decode, reference_values
 from selfspec.quant.weight import GEMM_ROWS, PANEL_ROWS, PREFILL_PATHS, QuantWeight
 
@@ -175,9 +175,9 @@ def test_avx2_variant_matches_too(tmp_path):
     import sys
     from pathlib import Path
 
-    from selfspec.kernels.build import cpu_flags
+    from selfspec.machine import cpu_info
 
-    if "avx512f" not in cpu_flags().split():
+    if "avx512f" not in cpu_info().flags:
         pytest.skip("no AVX-512 on this CPU: the suite's own kernel build is the AVX2 variant")
     env = {**os.environ, "SELFSPEC_ISA": "avx2"}
     here = Path(__file__).parent
@@ -281,21 +281,21 @@ def test_concat_of_consecutive_slices_is_a_view_and_the_store_keeps_runs(tmp_pat
 def test_five_bit_words_layout():
     """The AVX-512 layout of 5-bit codes (qcodes.h's header): the header's worked example, the spare bits of
     columns 30 and 31, and the round trip; the layout is the build's (AVX2 builds keep nibbles and planes)."""
-    q = np.zeros((1, 1, 32, weight.LANES), dtype=np.uint8)
+    q = np.zeros((1, 1, 32, packing.LANES), dtype=np.uint8)
     q[0, 0, :6, 0] = [1, 2, 3, 4, 5, 6]
     q[0, 0, 30, 0], q[0, 0, 31, 0] = 0b10111, 0b01101  # S = 0b01101_10111
-    words = weight._pack_words5(q).view("<u4").reshape(5, weight.LANES)
+    words = packing.pack_words5(q).view("<u4").reshape(5, packing.LANES)
     s = 0b0110110111
     assert words[0, 0] == (1 | 2 << 5 | 3 << 10 | 4 << 15 | 5 << 20 | 6 << 25 | (s & 3) << 30)
     assert [int(words[w, 0]) >> 30 for w in range(5)] == [(s >> (2 * w)) & 3 for w in range(5)]
     assert not words[:, 1:].any()
     rng = np.random.default_rng(5)
-    q = rng.integers(0, 32, (3, 4, 32, weight.LANES), dtype=np.uint8)
-    np.testing.assert_array_equal(weight._unpack_words5(weight._pack_words5(q)), q)
-    assert weight.words5() == bool(built_extension().qcodes5_words())
-    assert weight.pack_layout() == ("w5" if weight.words5() else "p5")
+    q = rng.integers(0, 32, (3, 4, 32, packing.LANES), dtype=np.uint8)
+    np.testing.assert_array_equal(packing.unpack_words5(packing.pack_words5(q)), q)
+    assert packing.words5() == bool(built_extension().qcodes5_words())
+    assert packing.pack_layout() == ("w5" if packing.words5() else "p5")
     with pytest.raises(ValueError, match="groups of 32"):
-        weight._pack_words5(q[:, :, :16])
+        packing.pack_words5(q[:, :, :16])
 
 
 @pytest.mark.parametrize("type_name", QUANTIZABLE)

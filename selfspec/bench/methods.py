@@ -123,25 +123,10 @@ def default_specs(cfg: BenchConfig, ss: SelfSpec) -> list[str]:
 
 
 def _convert(name: str, value: str) -> Any:
-    f = next((f for f in fields(DraftConfig) if f.name == name), None)
-    if f is None:
+    if name not in {f.name for f in fields(DraftConfig)}:
         known = ", ".join(f.name for f in fields(DraftConfig))
         raise InvalidConfigError(f"unknown selfspec setting '{name}' (known: {known})")
-    if value.lower() in ("none", "null") and "None" in str(f.type):
-        return None
-    t = str(f.type)
-    if t.startswith("bool"):
-        if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-            raise InvalidConfigError(f"selfspec setting {name}={value!r} is not true or false")
-        return value.lower() in ("true", "1", "yes", "on")
-    try:
-        if t.startswith("int"):
-            return int(value)
-        if t.startswith("float"):
-            return float(value)
-    except ValueError as e:
-        raise InvalidConfigError(f"selfspec setting {name}={value!r} is not a number") from e
-    return value
+    return DraftConfig.parse_field(name, value)  # the CLI's conversion: none, numbers, bools, choices
 
 
 def _pairs(text: str, spec: str) -> dict[str, str]:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from selfspec.kernels.build import built_extension
-from selfspec.quant.weight import LANES, QuantWeight
+from selfspec.quant.packing import LANES
+from selfspec.quant.weight import QuantWeight
 
 SCREEN_MIN_ROWS = 3  # from here the screen is never slower than the exact kernel, read from memory, whether memory is
 # fast or slow (docs/QUANTIZED.md)

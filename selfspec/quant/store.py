@@ -28,7 +28,8 @@ from selfspec.models.configs import plain_config, transformers_config
 from selfspec.paths import atomic_dir
 from selfspec.progress import quiet_transformers
 from selfspec.quant.modules import QuantEmbedding, QuantLinear
-from selfspec.quant.weight import LANES, QuantWeight, pack_layout
+from selfspec.quant.packing import LANES, pack_layout
+from selfspec.quant.weight import QuantWeight
 
 PACK_VERSION = 5  # bump when the packed layout (selfspec/kernels/qcodes.h) or the file's changes: old caches
 # are ignored (2: fused runs stored as one tensor; 3: Q6_K's codes as bytes; 4: 5-bit codes as words; 5: the legacy

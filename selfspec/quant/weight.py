@@ -1,7 +1,8 @@
 """A block-quantized weight matrix, packed once for selfspec's kernels (layout: ``selfspec/kernels/qcodes.h``).
 
 ``QuantWeight.from_gguf(raw, type_name, k)`` decodes a GGUF tensor's rows (``selfspec.quant.formats``)
-and interleaves 16 output rows per block, so a column of the block is one vector of codes:
+and interleaves 16 output rows per block (``selfspec.quant.packing``), so a column of the block is one vector
+of codes:
 
     codes    # [N / 16, G, CB] uint8   (CB bytes per group: nibble pairs, 5-bit words or planes, or bytes)
     scales   # [N / 16, G, 16] float16 for the legacy types (exact: their d and m are float16 in the GGUF),
@@ -25,10 +26,10 @@ import torch
 from selfspec.kernels.build import built_extension, cpu_flags, kernel_source_hash
 from selfspec.paths import atomic_write_text, cache_root
 from selfspec.quant.formats import FORMATS, Format, decode
+from selfspec.quant.packing import LANES, pack_codes, pack_groups, scale_dtype, unpack_words5, words5
 from selfspec.timing import time_call
 
 _NO_BIAS = torch.empty(0)
-LANES = 16  # output rows per packed block (one vector register of float32 on AVX-512)
 KERNEL_ROWS = 16  # x-rows per kernel call: the kernel keeps one accumulator per x-row and lane vector
 # A prefill multiplies hundreds of x-rows by every weight, so its cost is multiply-adds, not reading weights; the
 # decoding kernel then spends much of its time decoding every weight again for each tile of 8 rows. Two other ways
@@ -39,7 +40,6 @@ KERNEL_ROWS = 16  # x-rows per kernel call: the kernel keeps one accumulator per
 # docs/QUANTIZED.md), so it is timed once per machine and type (``prefill_path``). Same weights every way, so the same
 # target; the int8 mode keeps its kernel.
 PANEL_ROWS = 32
-WORDS5_GROUP = 32  # 5-bit codes are packed per group of 32 columns (every 5-bit GGUF type's group)
 GEMM_ROWS = 128
 GEMM_TILE = 1 << 20  # float32 weights per dequantized tile (4 MB: stays in cache while the GEMM reads it)
 PREFILL_PATHS = ("kernel", "panels", "torch")
@@ -93,79 +93,6 @@ def choose_prefill_path(ms: dict[str, float]) -> str:
     return "panels" if "panels" in ms and ms[best] > PANELS_MARGIN * ms["panels"] else best
 
 
-def _pack_codes(codes: np.ndarray, fmt: Format) -> np.ndarray:  # [N_pad, K] -> [N_pad / 16, G, CB]
-    n, k = codes.shape
-    g, groups = fmt.group, k // fmt.group
-    q = codes.reshape(n // LANES, LANES, groups, g).transpose(0, 2, 3, 1)  # [NB, G, g, 16]: column k's 16 rows
-    if fmt.bits == 8:
-        return np.ascontiguousarray(q).reshape(n // LANES, groups, g * LANES)
-    if fmt.bits == 5 and words5():
-        return _pack_words5(q)
-    parts = [(q[:, :, 0::2] & 15) | ((q[:, :, 1::2] & 15) << 4)]  # [NB, G, g/2, 16] nibble pairs
-    if fmt.bits == 5:  # one 16-bit plane per column: bit r = bit 4 of row r's code
-        weights = (1 << np.arange(LANES, dtype=np.uint32)).astype(np.uint32)
-        plane = (((q >> 4) & 1).astype(np.uint32) * weights).sum(axis=-1).astype(np.uint16)  # [NB, G, g]
-        parts.append(plane.view(np.uint8).reshape(n // LANES, groups, g * 2))
-    return np.concatenate([p.reshape(n // LANES, groups, -1) for p in parts], axis=-1)
-
-
-def words5() -> bool:
-    """Whether this machine's kernel build packs 5-bit codes as words (AVX-512) or as nibbles and planes (AVX2):
-    the layout each build's paths decode fastest (qcodes.h's header)."""
-    return bool(built_extension().qcodes5_words())
-
-
-def pack_layout() -> str:
-    """The packed layout's name beside PACK_VERSION (a cache packed by another build is packed again)."""
-    return "w5" if words5() else "p5"
-
-
-def _pack_words5(q: np.ndarray) -> np.ndarray:  # [NB, G, 32, 16] 5-bit codes -> [NB, G, 320] (qcodes.h: "words")
-    nb, groups, g, _ = q.shape
-    if g != WORDS5_GROUP:
-        raise ValueError(f"5-bit codes are packed in groups of {WORDS5_GROUP}, got {g}")
-    q = q.astype(np.uint32)
-    words = np.zeros((nb, groups, 5, LANES), dtype=np.uint32)
-    for w in range(5):
-        for c in range(6):
-            words[:, :, w] |= q[:, :, 6 * w + c] << (5 * c)
-    spare = q[:, :, 30] | q[:, :, 31] << 5  # [NB, G, 16] ten bits, two in the top of each word
-    for w in range(5):
-        words[:, :, w] |= ((spare >> (2 * w)) & 3) << 30
-    return words.astype("<u4").view(np.uint8).reshape(nb, groups, 5 * LANES * 4)
-
-
-def _unpack_words5(c: np.ndarray) -> np.ndarray:  # [NB, G, 320] -> [NB, G, 32, 16] (inverse of _pack_words5)
-    nb, groups = c.shape[:2]
-    words = np.ascontiguousarray(c).view("<u4").reshape(nb, groups, 5, LANES)
-    q = np.empty((nb, groups, WORDS5_GROUP, LANES), dtype=np.uint8)
-    for w in range(5):
-        for i in range(6):
-            q[:, :, 6 * w + i] = (words[:, :, w] >> (5 * i)) & 31
-    spare = sum(((words[:, :, w] >> 30) & 3) << (2 * w) for w in range(5))
-    q[:, :, 30], q[:, :, 31] = spare & 31, spare >> 5
-    return q
-
-
-def _pack_groups(v: np.ndarray) -> np.ndarray:  # [N_pad, G] -> [N_pad / 16, G, 16]
-    n, groups = v.shape
-    return np.ascontiguousarray(v.reshape(n // LANES, LANES, groups).transpose(0, 2, 1))
-
-
-HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # d (and m) are float16 in the GGUF block
-
-
-def _scale_dtype(type_name: str, scales: np.ndarray, offsets: np.ndarray | None) -> type:
-    """float16 for a legacy type whose scales (and offsets) are all exact in it, as a GGUF's are (half the bytes a
-    decoding step reads for them; the kernels widen them exactly), else float32."""
-    if type_name not in HALF_SCALE_TYPES:
-        return np.float32
-    for v in (scales, offsets):
-        if v is not None and not np.array_equal(v.astype(np.float16).astype(np.float32), v):
-            return np.float32
-    return np.float16
-
-
 def _joined(ts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(ts)``, or without a copy a view spanning them when they are consecutive contiguous slices
     (along dim 0) of one storage."""
@@ -216,10 +143,10 @@ class QuantWeight:
             scales = np.concatenate([scales, np.zeros((pad, scales.shape[1]), dtype=np.float32)])
             if offsets is not None:
                 offsets = np.concatenate([offsets, np.zeros((pad, offsets.shape[1]), dtype=np.float32)])
-        dtype = _scale_dtype(type_name, scales, offsets)
+        dtype = scale_dtype(type_name, scales, offsets)
         return cls(
-            type_name, (n, k), torch.from_numpy(_pack_codes(codes, fmt)), torch.from_numpy(_pack_groups(scales).astype(dtype, copy=False)),
-            torch.from_numpy(_pack_groups(offsets).astype(dtype, copy=False)) if offsets is not None else torch.empty(0),
+            type_name, (n, k), torch.from_numpy(pack_codes(codes, fmt)), torch.from_numpy(pack_groups(scales).astype(dtype, copy=False)),
+            torch.from_numpy(pack_groups(offsets).astype(dtype, copy=False)) if offsets is not None else torch.empty(0),
         )
 
     def kernel_args(self) -> tuple:
@@ -300,7 +227,7 @@ class QuantWeight:
         if fmt.bits == 8:
             return c.reshape(nb, groups, g, LANES)
         if fmt.bits == 5 and words5():
-            return _unpack_words5(c)
+            return unpack_words5(c)
         pairs = c[:, :, : g * 8].reshape(nb, groups, g // 2, LANES)
         q = np.empty((nb, groups, g, LANES), dtype=np.uint8)
         q[:, :, 0::2], q[:, :, 1::2] = pairs & 15, pairs >> 4

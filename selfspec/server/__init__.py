@@ -2,5 +2,5 @@
 
 app.py (create_app, make_server, the CLI command), routes.py (endpoints), worker.py (FIFO queue and
 the thread that owns the engine), schemas.py (pydantic bodies), errors.py (OpenAI error objects),
-middleware.py (API key, HTTP metrics), metrics.py (Prometheus text), config.py (ServeConfig).
+middleware.py (API key, HTTP metrics), metrics.py (Prometheus, prometheus_client), config.py (ServeConfig).
 """

@@ -8,13 +8,8 @@ from typing import Any
 
 from selfspec.api import SelfSpec
 from selfspec.batch.scheduler import BatchConfig
-from selfspec.config import (
-    DraftConfig,
-    ModelConfig,
-    PipelineConfig,
-    add_command,
-    config_from_args,
-)
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import DraftConfig, ModelConfig, PipelineConfig
 from selfspec.server.config import ServeConfig
 
 

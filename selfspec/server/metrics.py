@@ -1,152 +1,124 @@
-"""Server metrics in the Prometheus text exposition format (version 0.0.4), no extra dependency.
+"""Server metrics for Prometheus (prometheus_client), one registry per app.
 
-Counters grow for the life of the process; ratios (tokens/s, mean accepted length, acceptance
-rate) are given both as gauges and through their counters, so a scraper can compute rates over
-any window (e.g. ``rate(selfspec_completion_tokens_total[1m]) / rate(selfspec_generation_seconds_total[1m])``).
+Counters grow for the life of the app; ratios (tokens/s, mean accepted length, acceptance rate) are given both
+as gauges and through their counters, so a scraper can compute rates over any window (e.g.
+``rate(selfspec_completion_tokens_total[1m]) / rate(selfspec_generation_seconds_total[1m])``). Each app has its
+own CollectorRegistry, not prometheus_client's global one: several apps in one process (tests, a replica
+rebuilt) count apart and register the same names without a clash.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
 from typing import Any
 
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
+
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
-
-
-class Histogram:
-    def __init__(self) -> None:
-        self.counts = [0] * len(BUCKETS)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
-        for i, b in enumerate(BUCKETS):
-            if value <= b:
-                self.counts[i] += 1
-
-    def lines(self, name: str, labels: str = "") -> list[str]:
-        sep = "," if labels else ""
-        out = [f'{name}_bucket{{{labels}{sep}le="{"+Inf" if b == float("inf") else b}"}} {c}'
-               for b, c in zip(BUCKETS, self.counts)]
-        suffix = f"{{{labels}}}" if labels else ""
-        return out + [f"{name}_sum{suffix} {self.sum:.6f}", f"{name}_count{suffix} {self.count}"]
+OUTCOMES = ("completed", "cancelled", "failed")
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # of ``Metrics.render``'s text
 
 
 class Metrics:
-    """Thread-safe accumulators, fed by the HTTP middleware and by the worker thread."""
+    """The app's metrics, fed by the HTTP middleware and by the worker thread (thread-safe)."""
 
     def __init__(self, info: dict[str, Any] | None = None) -> None:
-        self.info = info or {}
-        self._lock = threading.Lock()
-        self.http: dict[tuple[str, str, int], int] = defaultdict(int)
-        self.http_duration: dict[str, Histogram] = defaultdict(Histogram)
-        self.outcomes: dict[str, int] = defaultdict(int)
-        self.prompt_tokens = 0
-        self.cached_prompt_tokens = 0  # of those, taken from the prefix cache
-        self.completion_tokens = 0
-        self.generation_seconds = 0.0
-        self.steps = 0
-        self.step_tokens = 0
-        self.proposed: list[int] = []
-        self.accepted: list[int] = []
-        self.ttft = Histogram()
-        self.queue_wait = Histogram()
+        self.registry = r = CollectorRegistry()
+        Info("selfspec", "Served model and draft settings.", registry=r).info(
+            {k: str(v) for k, v in (info or {}).items()})
+        self.http = Counter("selfspec_http_requests_total", "HTTP requests by method, path and status code.",
+                            ["method", "path", "status"], registry=r)
+        self.http_duration = Histogram("selfspec_http_request_duration_seconds",
+                                       "HTTP request latency, first byte in to last byte out.", ["path"],
+                                       buckets=BUCKETS, registry=r)
+        self.outcomes = Counter("selfspec_generations_total",
+                                "Generation jobs by outcome (completed, cancelled: client gone or shutdown, failed).",
+                                ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.outcomes.labels(outcome=outcome)  # every outcome is reported, 0 until it happens
+        self.waiting = Gauge("selfspec_queue_waiting", "Requests waiting for the engine.", registry=r)
+        self.running = Gauge("selfspec_queue_running", "Requests in the decoding batch (at most --max-batch).",
+                             registry=r)
+        self.queue_wait = Histogram("selfspec_queue_wait_seconds", "Time from admission to the engine picking the job up.",
+                                    buckets=BUCKETS, registry=r)
+        self.ttft = Histogram("selfspec_time_to_first_token_seconds", "Time from admission to the first output block.",
+                              buckets=BUCKETS, registry=r)
+        self.prompt_tokens = Counter("selfspec_prompt_tokens_total", "Prompt tokens processed.", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "selfspec_prompt_tokens_cached_total",
+            "Prompt tokens of completed requests taken from the prefix cache instead of prefilled.", registry=r)
+        self.completion_tokens = Counter("selfspec_completion_tokens_total",
+                                         "Completion tokens generated (cancelled jobs included).", registry=r)
+        self.generation_seconds = Counter("selfspec_generation_seconds_total", "Seconds the engine spent generating.",
+                                          registry=r)
+        self.tokens_per_second_gauge = Gauge(
+            "selfspec_tokens_per_second", "Completion tokens per second of a request generating, pooled since start "
+            "(batched requests overlap: for throughput use rate(selfspec_completion_tokens_total)).", registry=r)
+        self.steps = Counter("selfspec_verify_steps_total", "Target verification steps (completed jobs).", registry=r)
+        self.mean_accepted_length = Gauge("selfspec_mean_accepted_length",
+                                          "Tokens emitted per verification step, bonus included.", registry=r)
+        self.proposed = Counter("selfspec_draft_tokens_proposed_total",
+                                "Draft tokens proposed, by draft position (1-based).", ["position"], registry=r)
+        self.accepted = Counter("selfspec_draft_tokens_accepted_total",
+                                "Draft tokens accepted, by draft position (1-based).", ["position"], registry=r)
+        self.acceptance_rate = Gauge("selfspec_draft_acceptance_rate", "Accepted / proposed draft tokens, all positions.",
+                                     registry=r)
+        self._lock = threading.Lock()  # a job's counts land together: a scrape sees all of them or none
+        self._step_tokens = 0  # tokens the verification steps emitted: mean_accepted_length's numerator
 
     # ---- feeding --------------------------------------------------------------------------
     def http_request(self, method: str, path: str, status: int, seconds: float) -> None:
-        with self._lock:
-            self.http[(method, path, status)] += 1
-            self.http_duration[path].observe(seconds)
+        self.http.labels(method=method, path=path, status=str(status)).inc()
+        self.http_duration.labels(path=path).observe(seconds)
 
     def job_done(self, job: Any) -> None:
         """Record a finished job (see worker.Job): completed, cancelled or failed."""
         result = job.result
         outcome = "completed" if result is not None else ("cancelled" if job.cancelled else "failed")
         with self._lock:
-            self.outcomes[outcome] += 1
+            self.outcomes.labels(outcome=outcome).inc()
             if job.started is not None:
                 self.queue_wait.observe(job.started - job.submitted)
             if job.first_event is not None:
                 self.ttft.observe(job.first_event - job.submitted)
-                self.prompt_tokens += len(job.prompt_ids)
-                self.completion_tokens += job.tokens
-                self.generation_seconds += (job.finished or job.first_event) - job.started
+                self.prompt_tokens.inc(len(job.prompt_ids))
+                self.completion_tokens.inc(job.tokens)
+                self.generation_seconds.inc((job.finished or job.first_event) - job.started)
             if result is not None:
                 st = result.stats
-                self.cached_prompt_tokens += st.cached_tokens
-                self.steps += st.steps
-                self.step_tokens += sum(st.accept_lengths)
+                self.cached_prompt_tokens.inc(st.cached_tokens)
+                self.steps.inc(st.steps)
+                self._step_tokens += sum(st.accept_lengths)
                 for i, (p, a) in enumerate(zip(st.proposed_per_position, st.accepted_per_position)):
-                    while len(self.proposed) <= i:
-                        self.proposed.append(0)
-                        self.accepted.append(0)
-                    self.proposed[i] += p
-                    self.accepted[i] += a
+                    self.proposed.labels(position=str(i + 1)).inc(p)
+                    self.accepted.labels(position=str(i + 1)).inc(a)
 
     # ---- reading --------------------------------------------------------------------------
     @property
     def tokens_per_second(self) -> float:
-        return self.completion_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
+        seconds = _total(self.generation_seconds)
+        return _total(self.completion_tokens) / seconds if seconds > 0 else 0.0
 
     def render(self, waiting: int = 0, running: int = 0) -> str:
-        """The whole exposition text."""
+        """The whole exposition text (``CONTENT_TYPE``); ``waiting`` and ``running``: the queue's depth now."""
         with self._lock:
-            return "\n".join(self._lines(waiting, running)) + "\n"
-
-    def _lines(self, waiting: int, running: int) -> list[str]:
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help: str, samples: list[str]) -> None:  # noqa: A002
-            out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}", *samples])
-
-        info = ",".join(f'{k}="{_esc(v)}"' for k, v in self.info.items())
-        metric("selfspec_info", "gauge", "Served model and draft settings.", [f"selfspec_info{{{info}}} 1"])
-        metric("selfspec_http_requests_total", "counter", "HTTP requests by method, path and status code.",
-               [f'selfspec_http_requests_total{{method="{m}",path="{_esc(p)}",status="{s}"}} {n}'
-                for (m, p, s), n in sorted(self.http.items())])
-        dur: list[str] = []
-        for path, h in sorted(self.http_duration.items()):
-            dur += h.lines("selfspec_http_request_duration_seconds", f'path="{_esc(path)}"')
-        metric("selfspec_http_request_duration_seconds", "histogram",
-               "HTTP request latency, first byte in to last byte out.", dur)
-        metric("selfspec_generations_total", "counter",
-               "Generation jobs by outcome (completed, cancelled: client gone or shutdown, failed).",
-               [f'selfspec_generations_total{{outcome="{k}"}} {self.outcomes.get(k, 0)}'
-                for k in ("completed", "cancelled", "failed")])
-        metric("selfspec_queue_waiting", "gauge", "Requests waiting for the engine.", [f"selfspec_queue_waiting {waiting}"])
-        metric("selfspec_queue_running", "gauge", "Requests in the decoding batch (at most --max-batch).", [f"selfspec_queue_running {running}"])
-        metric("selfspec_queue_wait_seconds", "histogram", "Time from admission to the engine picking the job up.",
-               self.queue_wait.lines("selfspec_queue_wait_seconds"))
-        metric("selfspec_time_to_first_token_seconds", "histogram", "Time from admission to the first output block.",
-               self.ttft.lines("selfspec_time_to_first_token_seconds"))
-        metric("selfspec_prompt_tokens_total", "counter", "Prompt tokens processed.",
-               [f"selfspec_prompt_tokens_total {self.prompt_tokens}"])
-        metric("selfspec_prompt_tokens_cached_total", "counter",
-               "Prompt tokens of completed requests taken from the prefix cache instead of prefilled.",
-               [f"selfspec_prompt_tokens_cached_total {self.cached_prompt_tokens}"])
-        metric("selfspec_completion_tokens_total", "counter", "Completion tokens generated (cancelled jobs included).",
-               [f"selfspec_completion_tokens_total {self.completion_tokens}"])
-        metric("selfspec_generation_seconds_total", "counter", "Seconds the engine spent generating.",
-               [f"selfspec_generation_seconds_total {self.generation_seconds:.6f}"])
-        metric("selfspec_tokens_per_second", "gauge", "Completion tokens per second of a request generating, pooled since start (batched requests overlap: for throughput use rate(selfspec_completion_tokens_total)).",
-               [f"selfspec_tokens_per_second {self.tokens_per_second:.4f}"])
-        metric("selfspec_verify_steps_total", "counter", "Target verification steps (completed jobs).",
-               [f"selfspec_verify_steps_total {self.steps}"])
-        mal = self.step_tokens / self.steps if self.steps else 0.0
-        metric("selfspec_mean_accepted_length", "gauge", "Tokens emitted per verification step, bonus included.",
-               [f"selfspec_mean_accepted_length {mal:.4f}"])
-        metric("selfspec_draft_tokens_proposed_total", "counter", "Draft tokens proposed, by draft position (1-based).",
-               [f'selfspec_draft_tokens_proposed_total{{position="{i + 1}"}} {n}' for i, n in enumerate(self.proposed)])
-        metric("selfspec_draft_tokens_accepted_total", "counter", "Draft tokens accepted, by draft position (1-based).",
-               [f'selfspec_draft_tokens_accepted_total{{position="{i + 1}"}} {n}' for i, n in enumerate(self.accepted)])
-        total_p, total_a = sum(self.proposed), sum(self.accepted)
-        metric("selfspec_draft_acceptance_rate", "gauge", "Accepted / proposed draft tokens, all positions.",
-               [f"selfspec_draft_acceptance_rate {total_a / total_p if total_p else 0.0:.4f}"])
-        return out
+            self.waiting.set(waiting)
+            self.running.set(running)
+            self.tokens_per_second_gauge.set(self.tokens_per_second)
+            steps, proposed = _total(self.steps), _total(self.proposed)
+            self.mean_accepted_length.set(self._step_tokens / steps if steps else 0.0)
+            self.acceptance_rate.set(_total(self.accepted) / proposed if proposed else 0.0)
+            return generate_latest(self.registry).decode()
 
 
-def _esc(v: Any) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _total(counter: Counter) -> float:
+    """A counter's value, summed over its labels."""
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))

@@ -26,7 +26,7 @@ from selfspec.engine import validate_request
 from selfspec.errors import InvalidConfigError, SelfSpecError
 from selfspec.outputs import FinishReason
 from selfspec.server.errors import APIError, from_selfspec_error, internal_error
-from selfspec.server.metrics import Metrics
+from selfspec.server.metrics import CONTENT_TYPE, Metrics
 from selfspec.server.schemas import (
     CHAT_DEFAULT_MAX_TOKENS,
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -211,7 +211,7 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
     st = state_of(request)
-    return PlainTextResponse(st.metrics.render(*st.worker.depth()), media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(st.metrics.render(*st.worker.depth()), media_type=CONTENT_TYPE)
 
 
 @router.get("/v1/models")

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.api import SelfSpec
-from selfspec.config import DraftConfig, ModelConfig, add_command, config_from_args, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import DraftConfig, ModelConfig, opt
 from selfspec.progress import progress
 from selfspec.train.sharegpt import ConversationSource, iter_records
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.api import SelfSpec
-from selfspec.config import DraftConfig, ModelConfig, add_command, config_from_args, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import DraftConfig, ModelConfig, opt
 from selfspec.progress import progress
 from selfspec.stats import GenerationStats
 from selfspec.train.data import generate_data, load_seed_prompts, read_sequences

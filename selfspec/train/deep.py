@@ -16,7 +16,6 @@ the second draft token on. Resumable (checkpoint + fixed batch order), time-boxe
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,19 +24,16 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from selfspec.config import ModelConfig, add_command, config_from_args, int_set, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import ModelConfig, int_set, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.deep import DeepContextHead
 from selfspec.heads.io import load_head, new_head, save_head
 from selfspec.heads.kangaroo import RMSNorm
-from selfspec.kernels.build import cpu_flags
 from selfspec.models.split import SplitModel
-from selfspec.progress import progress
 from selfspec.train.cli import load_target
 from selfspec.train.features import FeatureSet, load_exit_features
-from selfspec.train.trainer import cosine_lr
-
-PRECISIONS = ("auto", "float32", "bfloat16")  # DeepTrainConfig.precision
+from selfspec.train.loop import PRECISIONS, autocast_dtype, batches, resume, train_steps
 
 
 @dataclass
@@ -85,23 +81,6 @@ class DeepTrainConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.soft_weight <= 1.0:
             raise InvalidConfigError(f"soft_weight must be in [0, 1] (the soft labels' share of the loss), got {self.soft_weight}")
-
-
-def _batches(fs: FeatureSet, batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-    order = torch.randperm(len(fs), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
-    lengths = (fs.offsets[1:] - fs.offsets[:-1]).tolist()
-    out: list[list[int]] = []
-    cur: list[int] = []
-    longest = 0
-    for i in order:
-        if cur and max(longest, lengths[i]) * (len(cur) + 1) > batch_tokens:
-            out.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, lengths[i])
-    if cur:
-        out.append(cur)
-    return out
 
 
 def _collate(fs: FeatureSet, idx: list[int], k: int, label_map: torch.Tensor | None,
@@ -185,7 +164,7 @@ def evaluate_deep(head: DeepFeatures, lm_rows: torch.Tensor, fs: FeatureSet, cfg
     tot: dict[str, float] = {}
     n = 0
     context_layers = _context_layers(cfg)
-    for idx in _batches(fs, cfg.batch_tokens, 0, 0):
+    for idx in batches(fs, cfg.batch_tokens, 0, 0):
         batch = _collate(fs, idx, cfg.exit_layer, None, cfg.assistant_only, context_layers)
         full = batch["labels"]
         valid = full >= 0
@@ -209,108 +188,6 @@ def evaluate_deep(head: DeepFeatures, lm_rows: torch.Tensor, fs: FeatureSet, cfg
 
 def _context_layers(cfg: DeepTrainConfig) -> list[int]:
     return int_set(cfg.context_layers, "context layers")
-
-
-def resume(head: torch.nn.Module, ckpt: Path, cfg: DeepTrainConfig) -> tuple[int, list[dict[str, Any]]]:
-    """(step, history) of a killed run's checkpoint, loaded into ``head`` (the optimizer state is loaded by
-    ``train_steps``); (0, []) for a fresh run."""
-    if cfg.resume and ckpt.is_file():
-        state = torch.load(ckpt)
-        head.load_state_dict(state["head"])
-        return state["step"], state["history"]
-    return 0, []
-
-
-FIT_AFTER = 10  # steps timed (after the first) before a time-boxed run fits its schedule to the time box
-
-
-def bf16_native() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX: oneDNN's bf16 GEMM then does twice
-    the multiply-adds of float32 per instruction; docs/TRAINING.md). Elsewhere bf16 is emulated and no faster."""
-    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # absent from builds without oneDNN
-    return bool(supported is not None and supported() and set(cpu_flags().split()) & {"avx512_bf16", "amx_bf16"})
-
-
-def autocast_dtype(precision: str) -> torch.dtype | None:
-    """The autocast dtype of ``DeepTrainConfig.precision`` on this machine (None: float32 throughout)."""
-    if precision not in PRECISIONS:
-        raise InvalidConfigError(f"unknown training precision '{precision}' (known: {', '.join(PRECISIONS)})")
-    if precision == "bfloat16" or (precision == "auto" and bf16_native()):
-        return torch.bfloat16
-    return None
-
-
-def fitted_schedule(step: int, pace: float, left: float, total: int) -> int:
-    """The steps a time-boxed schedule spans: those done (``step``) and those that fit in the ``left`` seconds at
-    ``pace`` seconds a step, at least one more and at most ``total``. E.g. step 11, 6.3 s a step, 800 s left:
-    11 + 126 = 137 steps (of the 560 that 4 epochs would take)."""
-    return min(total, step + max(1, int(left / max(pace, 1e-9))))
-
-
-def train_steps(head: torch.nn.Module, train: FeatureSet, cfg: DeepTrainConfig, ckpt: Path, step: int,
-                history: list[dict[str, Any]], step_loss: Any, desc: str) -> tuple[int, list, float, int, int]:
-    """The optimizer loop shared by train-deep and train-nested: a fixed batch order per epoch (so a resumed
-    run continues the same way), warm-up + cosine learning rate, clipping, a checkpoint every
-    ``checkpoint_every`` steps, stop at ``epochs`` or ``minutes``; the matmuls in ``cfg.precision``.
-    ``step_loss(conversation indices)`` -> (loss, metrics). Returns (step, history, start time, total steps, steps the
-    learning-rate schedule spanned).
-
-    With a time box and ``fit_schedule``, the cosine ends with the time box: from FIT_AFTER steps on, the pace so far
-    (timed from the run's second step) gives the steps that fit, and the schedule spans those (at most ``epochs``'
-    worth) instead of the epochs' steps a time box would cut off at a high learning rate. It is refitted every step,
-    so a pace that drifts (a first epoch's slower steps, a busier machine) still ends the cosine at the time box.
-    A checkpoint keeps the schedule's length and the seconds trained so far for a resumed run to start from: the
-    time box is the whole training's, so a run killed and resumed trains ``minutes`` in all (plus the steps after its
-    last checkpoint, which are done again), not ``minutes`` more. The returned start time is the whole run's."""
-    per_epoch = len(_batches(train, cfg.batch_tokens, cfg.seed, 0))
-    total = max(1, int(per_epoch * cfg.epochs))
-    cast = autocast_dtype(cfg.precision)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = total  # steps the learning-rate schedule spans
-    spent = 0.0  # seconds earlier runs trained (up to their last checkpoint): the time box counts them
-    if step > 0:
-        state = torch.load(ckpt)
-        opt.load_state_dict(state["opt"])
-        schedule = state.get("schedule", total)
-        spent = float(state.get("seconds", 0.0))
-    bar = progress(total=total, initial=step, desc=desc, unit="step")
-    start, seen = time.perf_counter(), 0
-    t0 = start - spent  # the run's clock: a resumed run continues the killed one's time box, not a fresh one
-    order: tuple[int, list[list[int]]] = (-1, [])
-    budget = cfg.minutes * 60 if cfg.minutes > 0 else float("inf")
-    fit = cfg.fit_schedule and cfg.minutes > 0
-    paced: tuple[int, float] | None = None  # (step, time) after this run's first step: the pace is timed from there
-    while step < total and time.perf_counter() - t0 < budget:
-        epoch, within = divmod(step, per_epoch)
-        if epoch != order[0]:  # the epoch's batch order, drawn once
-            order = (epoch, _batches(train, cfg.batch_tokens, cfg.seed, epoch))
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, schedule, cfg.lr, cfg.warmup, floor=0.05)
-        # another epoch's order can pack into a batch or two fewer than epoch 0's (whose count sets the schedule)
-        with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
-            loss, m = step_loss(order[1][within % len(order[1])])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        step += 1
-        seen += m["tokens"]
-        now = time.perf_counter()
-        if fit and paced is None:
-            paced = (step, now)
-        elif fit and paced is not None and step - paced[0] >= FIT_AFTER:  # refitted every step: the pace may drift
-            schedule = fitted_schedule(step, (now - paced[1]) / (step - paced[0]), budget - (now - t0), total)
-        history.append({"step": step, "loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"], **m})
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tok_s=f"{seen / (now - start):.0f}",
-                        **{k: f"{v:.2f}" for k, v in m.items() if k.startswith("top1")})
-        bar.update()
-        if step % cfg.checkpoint_every == 0 or step == total:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                        "schedule": schedule, "seconds": now - t0}, tmp)
-            os.replace(tmp, ckpt)
-    bar.close()
-    return step, history, t0, total, schedule
 
 
 def save_trained(head: DeepContextHead, split: SplitModel, vocab_ids: torch.Tensor | None, out: Path,

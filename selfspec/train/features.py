@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.config import ModelConfig, add_command, config_from_args, int_set, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import ModelConfig, int_set, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.progress import progress
 from selfspec.train.cli import load_target

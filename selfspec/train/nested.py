@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from selfspec.config import ModelConfig, add_command, config_from_args, int_set, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import ModelConfig, int_set, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import load_head, new_head
 from selfspec.heads.nested import NestedDeepHead
@@ -32,13 +33,12 @@ from selfspec.train.deep import (
     deep_loss,
     evaluate_deep,
     label_order,
-    resume,
     save_trained,
     target_probs,
-    train_steps,
     vocab_label_map,
 )
 from selfspec.train.features import load_features
+from selfspec.train.loop import resume, train_steps
 
 
 @dataclass

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.api import SelfSpec
-from selfspec.config import DraftConfig, ModelConfig, add_command, config_from_args, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import DraftConfig, ModelConfig, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.progress import progress
 from selfspec.specee.candidates import candidate_features, candidate_logits

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from selfspec.api import SelfSpec
-from selfspec.config import DraftConfig, ModelConfig, add_command, config_from_args, int_set, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import DraftConfig, ModelConfig, int_set, opt
 from selfspec.costs import best_gamma, measure_draft_costs, time_head
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.deep import DeepContextHead

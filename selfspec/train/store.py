@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from selfspec.config import ModelConfig, add_command, config_from_args, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import ModelConfig, opt
 from selfspec.drafting.store import TokenStore
 from selfspec.errors import InvalidConfigError
 from selfspec.models.loading import load_model

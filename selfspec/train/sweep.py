@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from selfspec.config import ModelConfig, add_command, config_from_args, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import ModelConfig, opt
 from selfspec.errors import ModelNotFoundError
 from selfspec.heads.io import check_exit_layer, new_head
 from selfspec.models.split import SplitModel
