@@ -14,11 +14,9 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 # also importable from here, where the bench commands import them (explicit re-exports)
-from selfspec.cli_options import add_command as add_command
-from selfspec.cli_options import add_config_args as add_config_args
-from selfspec.cli_options import config_from_args as config_from_args
 from selfspec.cli_options import parse_field
 from selfspec.errors import InvalidConfigError
+from selfspec.quant.numerics import NUMERICS
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - "help" is the natural name
@@ -73,7 +71,7 @@ class ModelConfig(Config):
         "target is the dequantized model) or 'int8' (opt-in, llama.cpp's numerics: activations rounded to 8 bits "
         "per block, integer dot products; faster blocks, output close to but not always the dequantized model's; "
         "speculation is lossless against plain decoding in the same mode). docs/QUANTIZED.md.",
-        choices=["exact", "int8"],
+        choices=list(NUMERICS),
     )
     mmap: bool = opt(
         False,

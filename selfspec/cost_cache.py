@@ -58,12 +58,12 @@ CHECK_BUDGET = 0.3  # ... or fewer once this many seconds are spent (a contended
 
 @lru_cache(maxsize=1)
 def _quantization(split: SplitModel) -> list[str]:
-    """The block types of a quantized model's weights (``selfspec.quant``), '+int8' in the int8 numerics."""
+    """The block types of a quantized model's weights (``selfspec.quant``), '+<numerics>' outside the exact mode."""
     types = set()
     for m in split.model.modules():
         w = getattr(m, "qweight", None)
         if w is not None and hasattr(w, "type_name"):
-            types.add(w.type_name + ("+int8" if getattr(w, "int8", False) else ""))
+            types.add(w.type_name + ("" if w.mode.exact else f"+{w.numerics}"))
     return sorted(types)
 
 

@@ -89,7 +89,7 @@ def why_not_exact(split: SplitModel) -> str | None:
         for m in layer.modules():
             q = getattr(m, "qweight", None)
             if q is not None:
-                if not q.int8:  # the int8 mode's kernel at any rows: integer sums, a scale per row
+                if not q.mode.rows_independent:  # e.g. the int8 mode's kernel: integer sums, a scale per row
                     types.add(q.type_name)
             elif isinstance(m, nn.Linear):
                 return "the cache needs every layer's matrices block-quantized"

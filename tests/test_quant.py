@@ -211,7 +211,7 @@ def int8_reference(x: torch.Tensor, qw: QuantWeight) -> tuple[torch.Tensor, torc
 def test_int8_mode_matches_its_reference_and_is_row_independent(type_name):
     n, k = 37, 512
     qw = QuantWeight.from_gguf(random_tensor(type_name, n, k, seed=5), type_name, k)
-    qw.int8 = True
+    qw.numerics = "int8"
     x = torch.randn(11, k, generator=torch.Generator().manual_seed(3))
     out = torch.empty(11, n)
     qw.matmul(x, out)
@@ -236,7 +236,7 @@ def test_int8_mode_integer_sums_at_their_bounds(type_name):
     scales = np.full((n, k // fmt.group), 0.01, dtype=np.float32)
     offsets = np.full((n, k // fmt.group), 0.02, dtype=np.float32) if fmt.offset else None
     qw = QuantWeight.from_codes(type_name, codes, scales, offsets)
-    qw.int8 = True
+    qw.numerics = "int8"
     x = torch.ones(4, k)
     x[1] = -1.0
     x[2, 1::2] = -1.0  # +-127 alternating: pairs cancel, quads do not overflow either way
@@ -314,7 +314,7 @@ def test_legacy_scales_are_float16_and_compute_as_float32_ones(type_name):
     for rows in (1, 4, 16, 40):
         x = torch.randn(rows, 512, generator=g)
         for int8 in (False, True):
-            half.int8 = full.int8 = int8
+            half.numerics = full.numerics = "int8" if int8 else "exact"
             a, b = torch.empty(rows, 53), torch.empty(rows, 53)
             half.matmul(x, a)
             full.matmul(x, b)
@@ -389,3 +389,27 @@ def test_screened_argmax_skips_padding_rows_and_refuses_non_finite_input():
     assert got is not None and torch.equal(got, logits.argmax(-1)) and (got < n).all()
     x[2, 5] = float("nan")
     assert ScreenedArgmax(qw).argmax(x) is None
+
+
+def test_every_numerics_decision_reads_its_table_entry():
+    """The numerics table (selfspec/quant/numerics.py) names each mode's kernel and what it promises; a weight's
+    mode is its entry, and an unknown name is a clear error that leaves the weights as they were."""
+    from conftest import tiny_model
+
+    from selfspec.errors import InvalidConfigError
+    from selfspec.kernels.build import built_extension
+    from selfspec.quant.convert import quantize_model
+    from selfspec.quant.modules import set_numerics
+    from selfspec.quant.numerics import NUMERICS
+
+    ext = built_extension()
+    for mode in NUMERICS.values():
+        assert callable(getattr(ext, mode.kernel)), mode.name  # its kernel exists in the build
+    assert NUMERICS["exact"].exact and NUMERICS["exact"].suffix == "" and NUMERICS["int8"].suffix == "-int8"
+    model = quantize_model(tiny_model("qwen2"), "Q4_0")
+    with pytest.raises(InvalidConfigError, match="numerics must be one of 'exact', 'int8'"):
+        set_numerics(model, "int4")
+    weights = [m.qweight for m in model.modules() if hasattr(m, "qweight")]
+    assert {w.numerics for w in weights} == {"exact"}
+    set_numerics(model, "int8")
+    assert {w.mode.name for w in weights} == {"int8"} and not any(w.mode.panels for w in weights)

@@ -38,7 +38,8 @@ from selfspec.batch.scheduler import BatchConfig, Scheduler
 from selfspec.bench.eqspec import PaddedBatch
 from selfspec.bench.manifest import machine_info
 from selfspec.bench.questions import DEFAULT_QUESTIONS, load_questions, select_questions, turn_prompt
-from selfspec.config import GenerateConfig, ModelConfig, add_command, config_from_args, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import GenerateConfig, ModelConfig, opt
 from selfspec.drafting.early_exit import EarlyExitDrafter
 from selfspec.drafting.policies import make_policy
 from selfspec.engine import Engine

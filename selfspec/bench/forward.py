@@ -42,7 +42,8 @@ from selfspec.bench.forward_memory import MIB, memory_breakdown
 from selfspec.bench.forward_ranges import RANGES, range_bytes, range_weights
 from selfspec.bench.forward_report import format_tables, write_plot
 from selfspec.bench.manifest import machine_info
-from selfspec.config import DraftConfig, ModelConfig, add_config_args, config_from_args, opt
+from selfspec.cli_options import add_config_args, config_from_args
+from selfspec.config import DraftConfig, ModelConfig, opt
 from selfspec.costs import time_blocks, time_head
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import bundled_head_dir, read_head_config

@@ -29,7 +29,7 @@ import httpx
 from selfspec.bench.loadtest_clients import KINDS, Clients
 from selfspec.bench.loadtest_config import LoadTestConfig
 from selfspec.bench.loadtest_server import SpawnedServer, replicas_asked, rss_mb, server_metrics
-from selfspec.config import add_config_args, config_from_args
+from selfspec.cli_options import add_config_args, config_from_args
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 

@@ -36,12 +36,11 @@ import torch
 from selfspec.api import SelfSpec
 from selfspec.bench.manifest import machine_info
 from selfspec.bench.questions import DEFAULT_QUESTIONS, load_questions, select_questions, turn_prompt
+from selfspec.cli_options import add_command, config_from_args
 from selfspec.config import (
     GenerateConfig,
     ModelConfig,
     PipelineConfig,
-    add_command,
-    config_from_args,
     opt,
 )
 from selfspec.costs import measure_draft_costs

@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 
 from selfspec.api import SelfSpec
+from selfspec.cli_options import add_command, config_from_args
 from selfspec.config import (
     DraftConfig,
     GenerateConfig,
     ModelConfig,
-    add_command,
-    config_from_args,
     opt,
 )
 from selfspec.progress import progress

@@ -33,7 +33,8 @@ from typing import Any
 
 from selfspec.api import SelfSpec
 from selfspec.bench.questions import DEFAULT_QUESTIONS, load_questions, select_questions
-from selfspec.config import GenerateConfig, ModelConfig, add_command, config_from_args, opt
+from selfspec.cli_options import add_command, config_from_args
+from selfspec.config import GenerateConfig, ModelConfig, opt
 from selfspec.errors import InvalidConfigError
 from selfspec.paths import atomic_write_text
 from selfspec.progress import progress

@@ -42,7 +42,8 @@ from selfspec.bench.questions import (
 from selfspec.bench.report import write_report
 from selfspec.bench.tables import compare_runs
 from selfspec.bench.turn import run_turn
-from selfspec.config import ModelConfig, add_config_args, config_from_args
+from selfspec.cli_options import add_config_args, config_from_args
+from selfspec.config import ModelConfig
 from selfspec.errors import InvalidConfigError
 from selfspec.progress import progress
 

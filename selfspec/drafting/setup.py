@@ -59,8 +59,8 @@ def early_exit(ss: Any, draft: DraftConfig) -> tuple[EarlyExitDrafter, int, Draf
         width = head.recommended_draft.get("tree_width", 0)
         draft = replace(draft, tree_width=width if head.supports_tree else 0)
     assert draft.tree_width is not None  # resolved above
-    if draft.tree_width > 1 and (not head.supports_tree or ss.split.kernel.endswith("int8")):
-        # int8 numerics: tree blocks attend through SDPA, which does not give single steps' rows bitwise
+    if draft.tree_width > 1 and (not head.supports_tree or not ss.split.numerics.trees):
+        # e.g. the int8 numerics: tree blocks attend through SDPA, which does not give single steps' rows bitwise
         draft = replace(draft, tree_width=0)
     name = draft.policy if draft.policy != "auto" else ("thompson-confidence" if tuning else "confidence")
     threshold = draft.threshold

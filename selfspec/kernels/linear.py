@@ -41,7 +41,7 @@ MAX_CHUNKED_ROWS = 64  # up to here, blocks of 16 rows through the kernel beat M
 
 
 # The kinds of kernel call a step plan makes (``Part.kind`` in selfspec/kernels/step.cpp)
-_PART_QUANT, _PART_QUANT_INT8, _PART_FLOAT32 = 0, 1, 2
+_PART_FLOAT32 = 2  # a float32 weight's Part kind (quantized parts: their numerics' part_kind)
 
 
 class KernelUnavailableError(SelfSpecError):
@@ -91,7 +91,6 @@ class PackedLinear:
         self._packed: torch.Tensor | None = None
         self._onednn: torch.Tensor | None = None
         self._quant: list[tuple[Any, int, int]] | None = None  # (QuantWeight or float PackedLinear, first, end)
-        self.int8 = quant and any(getattr(w, "int8", False) for w in ws)  # the 8-bit activation mode
         if quant:
             self._quant = _quant_segments(ws)
             self.path = "selfspec-quant"
@@ -158,7 +157,7 @@ class PackedLinear:
                 if not isinstance(w, QuantWeight):
                     return None
                 bias = self.bias[a:b] if self.bias is not None else empty
-                parts.append(ext.Part(_PART_QUANT_INT8 if w.int8 else _PART_QUANT, *w.kernel_args(), bias, a, b))
+                parts.append(ext.Part(w.mode.part_kind, *w.kernel_args(), bias, a, b))
         elif self._packed is not None:
             parts = [ext.Part(_PART_FLOAT32, self._packed, empty, empty, 0, 0, 0.0, self._bias_arg, 0, self.out_features)]
         else:

@@ -35,6 +35,7 @@ from selfspec.models.masks import TreeAttention, block_mask
 from selfspec.models.plans import Step, StepPlans
 from selfspec.models.rotary import RotaryTables, static_rope
 from selfspec.quant.modules import QuantEmbedding, is_quantized
+from selfspec.quant.numerics import NUMERICS, Numerics
 from selfspec.quant.weight import QuantWeight
 
 BACKENDS = ("fast", "reference")
@@ -95,9 +96,11 @@ class SplitModel:
         self.backend = backend
         self.quantized = is_quantized(model)  # a GGUF with its block-quantized weights (selfspec.quant)
         self.kernel = kernel_name(self.device, self.dtype) if backend == "fast" else "transformers-modules"
+        self.numerics: Numerics = NUMERICS["exact"]  # how the quantized weights multiply (quant/numerics.py)
         if backend == "fast" and self.quantized:
-            int8 = any(getattr(getattr(m, "qweight", None), "int8", False) for m in model.modules())
-            self.kernel = "selfspec-quant-int8" if int8 else "selfspec-quant"
+            modes = {w.mode for m in model.modules() if isinstance(w := getattr(m, "qweight", None), QuantWeight)}
+            self.numerics = min(modes, key=lambda m: m.exact) if modes else NUMERICS["exact"]  # (one per model)
+            self.kernel = "selfspec-quant" + self.numerics.suffix
         self.fast_layers: list[FastLayer] = []
         if backend == "fast":
             self.fast_layers = [FastLayer(layer, i, self.windows[i]) for i, layer in enumerate(self.layers)]

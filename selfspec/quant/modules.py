@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.errors import InvalidConfigError
+from selfspec.quant.numerics import numerics as numerics_of
 from selfspec.quant.weight import QuantWeight
 
 
@@ -82,16 +83,15 @@ def weight_rows(module: nn.Linear | QuantLinear, ids: torch.Tensor) -> torch.Ten
 
 
 def set_numerics(model: nn.Module, numerics: str) -> nn.Module:
-    """Switch every quantized weight of ``model`` to 'exact' or 'int8' numerics (``ModelConfig.numerics``)
-    before the engine packs it; transformers' own forward (the reference) always stays exact."""
-
-    if numerics not in ("exact", "int8"):
-        raise InvalidConfigError(f"numerics must be 'exact' or 'int8', got '{numerics}'")
+    """Switch every quantized weight of ``model`` to the numerics named ``numerics`` (``ModelConfig.numerics``,
+    selfspec/quant/numerics.py) before the engine packs it; transformers' own forward (the reference) always stays
+    exact."""
+    mode = numerics_of(numerics)  # an unknown name: an error listing the known ones
     weights = [m.qweight for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
-    if numerics == "int8" and not weights:
-        raise InvalidConfigError("numerics='int8' needs quantized weights: a GGUF (dtype='auto') or quantize=TYPE")
+    if not mode.exact and not weights:
+        raise InvalidConfigError(f"numerics={numerics!r} needs quantized weights: a GGUF (dtype='auto') or quantize=TYPE")
     for w in weights:
-        w.int8 = numerics == "int8"
+        w.numerics = mode.name
     return model
 
 

@@ -56,7 +56,7 @@ class ScreenedArgmax:
         """Whether the screen applies: the exact mode's weight, a build whose int8 kernel is VNNI's (AVX-512; on
         AVX2 the int8 kernel was not measured against the exact one at these shapes)."""
         ext = built_extension()
-        return not weight.int8 and hasattr(ext, "qargmax") and bool(ext.qlinear_i8_vnni())
+        return weight.mode.screen and hasattr(ext, "qargmax") and bool(ext.qlinear_i8_vnni())
 
     def covers(self, rows: int) -> bool:
         return SCREEN_MIN_ROWS <= rows <= SCREEN_MAX_ROWS

@@ -197,7 +197,7 @@ def save_packed(cache: Path, config: Any, quant: dict[str, QuantWeight], floats:
 
 def _detached(qw: QuantWeight) -> QuantWeight:
     """A QuantWeight object over the same tensors (``concat`` re-points its parts: the caller's stay as they are)."""
-    return QuantWeight(qw.type_name, qw.shape, qw.codes, qw.scales, qw.offsets, qw.int8)
+    return QuantWeight(qw.type_name, qw.shape, qw.codes, qw.scales, qw.offsets, qw.numerics)
 
 
 def assemble(model: nn.Module, quant: dict[str, QuantWeight], floats: dict[str, torch.Tensor], source: str) -> nn.Module:

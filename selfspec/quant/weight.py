@@ -26,6 +26,7 @@ import torch
 from selfspec.kernels.build import built_extension, cpu_flags, kernel_source_hash
 from selfspec.paths import atomic_write_text, cache_root
 from selfspec.quant.formats import FORMATS, Format, decode
+from selfspec.quant.numerics import NUMERICS, Numerics
 from selfspec.quant.packing import LANES, pack_codes, pack_groups, scale_dtype, unpack_words5, words5
 from selfspec.timing import time_call
 
@@ -115,7 +116,11 @@ class QuantWeight:
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
-    int8: bool = False  # the 8-bit activation mode (ModelConfig.numerics="int8"): qlinear_i8
+    numerics: str = "exact"  # how it multiplies (ModelConfig.numerics; selfspec/quant/numerics.py)
+
+    @property
+    def mode(self) -> Numerics:
+        return NUMERICS[self.numerics]
 
     @property
     def format(self) -> Format:
@@ -160,7 +165,7 @@ class QuantWeight:
         (+ bias): 16 rows of x per kernel call, or for a prefill the way measured fastest on this machine
         (``prefill_path``): panels from PANEL_ROWS rows, dequantized tiles through torch's GEMM from GEMM_ROWS."""
         rows = x.shape[0]
-        if rows >= PANEL_ROWS and not self.int8:
+        if rows >= PANEL_ROWS and self.mode.panels:
             way = prefill_path(self.type_name)
             if way == "panels":
                 return self._panels(x, out, bias, accumulate)
@@ -173,7 +178,7 @@ class QuantWeight:
         """``matmul`` through the kernel, 16 rows of x per call."""
         ext = built_extension()
         b = bias if bias is not None else _NO_BIAS
-        kernel = ext.qlinear_i8 if self.int8 else ext.qlinear
+        kernel = getattr(ext, self.mode.kernel)
         if x.shape[0] <= KERNEL_ROWS:  # a decoding step: no slicing (each slice is an op on the hot path)
             return kernel(x, *self.kernel_args(), b, out, accumulate)
         for s in range(0, x.shape[0], KERNEL_ROWS):
@@ -264,13 +269,13 @@ class QuantWeight:
 
         out = QuantWeight.from_codes(self.type_name, codes, rows_of(self.scales),
                                      rows_of(self.offsets) if self.offsets.numel() else None)
-        out.int8 = self.int8
+        out.numerics = self.numerics
         return out
 
     def joins(self, other: QuantWeight) -> bool:
         """Whether ``concat`` can fuse ``other`` after this weight: one type, one K, one numerics mode, one scale
         dtype and row counts that are multiples of 16 (whole packed blocks)."""
-        return (other.type_name == self.type_name and other.shape[1] == self.shape[1] and other.int8 == self.int8
+        return (other.type_name == self.type_name and other.shape[1] == self.shape[1] and other.numerics == self.numerics
                 and other.scales.dtype == self.scales.dtype and self.shape[0] % LANES == 0
                 and other.shape[0] % LANES == 0)
 
@@ -287,7 +292,7 @@ class QuantWeight:
         fused = QuantWeight(first.type_name, (sum(p.shape[0] for p in parts), first.shape[1]),
                             _joined([p.codes for p in parts]), _joined([p.scales for p in parts]),
                             _joined([p.offsets for p in parts]) if first.offsets.numel() else torch.empty(0),
-                            first.int8)
+                            first.numerics)
         start = 0
         for p in parts:
             end = start + p.shape[0] // LANES
