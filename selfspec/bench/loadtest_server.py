@@ -3,6 +3,7 @@ from a server: its resident memory, its /metrics, the replicas its arguments ask
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import signal
@@ -14,18 +15,14 @@ from pathlib import Path
 import httpx
 
 from selfspec.bench.loadtest_config import LoadTestConfig
+from selfspec.memory import resident_mb
 from selfspec.ports import free_port
 
 
 def rss_mb(pid: int) -> float | None:
-    """Resident set size of a process in MB (Linux /proc), None elsewhere."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    """Resident set size of a process in MiB (``memory.resident_mb``), None where it cannot be read."""
+    mb = resident_mb(pid)
+    return None if math.isnan(mb) else mb
 
 
 class SpawnedServer:

@@ -20,6 +20,7 @@ from selfspec.bench.config import BenchConfig
 from selfspec.bench.methods import Method
 from selfspec.config import GenerateConfig, ModelConfig
 from selfspec.errors import InvalidConfigError
+from selfspec.machine import cpu_info
 
 FORMAT = "selfspec-specbench/1"
 
@@ -27,11 +28,7 @@ FORMAT = "selfspec-specbench/1"
 def machine_info() -> dict[str, Any]:
     import transformers  # lazy: a heavy import, loaded anyway once a model is (selfspec.models.loading)
 
-    cpu = ""
-    try:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
-    except OSError:
-        pass
+    cpu = cpu_info().name
     try:
         commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, timeout=5).stdout.strip()

@@ -227,6 +227,9 @@ inline void store_tile(const float* res, int64_t mc, float* y, int64_t ldy, int6
     }
 }
 
+// M(BITS, OFF) for every code width and offset case dispatch covers (explicit instantiations of the tile functions).
+#define SELFSPEC_EACH_CODE(M) M(4, false) M(4, true) M(5, false) M(5, true) M(8, false) M(8, true)
+
 // f(bits, has offsets) with both as compile-time constants (std::integral_constant), for the kernels' templates.
 template <typename F>
 void dispatch(int64_t bits, bool off, F&& f) {

@@ -242,12 +242,7 @@ void tile_rows(int64_t mc, const float* xm, int64_t K, int64_t G, int64_t g, con
 #define SELFSPEC_INSTANTIATE(BITS, OFF)                                                                         \
   template void tile_rows<BITS, OFF>(int64_t, const float*, int64_t, int64_t, int64_t, const uint8_t*, Sc, Sc, \
                                      const float*, float, float*);
-SELFSPEC_INSTANTIATE(4, false)
-SELFSPEC_INSTANTIATE(4, true)
-SELFSPEC_INSTANTIATE(5, false)
-SELFSPEC_INSTANTIATE(5, true)
-SELFSPEC_INSTANTIATE(8, false)
-SELFSPEC_INSTANTIATE(8, true)
+SELFSPEC_EACH_CODE(SELFSPEC_INSTANTIATE)
 #undef SELFSPEC_INSTANTIATE
 
 }  // namespace qcodes

@@ -308,12 +308,7 @@ void tile_i8_rows(const int8_t* qx, const int8_t* xp, const float* dx, const int
 #define SELFSPEC_INSTANTIATE(BITS, OFF)                                                                             \
   template void tile_i8_rows<BITS, OFF>(const int8_t*, const int8_t*, const float*, const int32_t*, int64_t, int64_t, \
                                         int64_t, int64_t, int64_t, const uint8_t*, Sc, Sc, int64_t, float, float*);
-SELFSPEC_INSTANTIATE(4, false)
-SELFSPEC_INSTANTIATE(4, true)
-SELFSPEC_INSTANTIATE(5, false)
-SELFSPEC_INSTANTIATE(5, true)
-SELFSPEC_INSTANTIATE(8, false)
-SELFSPEC_INSTANTIATE(8, true)
+SELFSPEC_EACH_CODE(SELFSPEC_INSTANTIATE)
 #undef SELFSPEC_INSTANTIATE
 
 // x rounded to 8 bits per group (qcodes.h's Rounded: its rounding, code sums and, on AVX2, activation pairs).

@@ -8,20 +8,16 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from selfspec.errors import InvalidConfigError
 from selfspec.machine import cpu_info
 from selfspec.progress import progress
+from selfspec.train.deep_config import PRECISIONS, DeepTrainConfig
 from selfspec.train.features import FeatureSet
 from selfspec.train.trainer import cosine_lr
-
-if TYPE_CHECKING:
-    from selfspec.train.deep import DeepTrainConfig
-
-PRECISIONS = ("auto", "float32", "bfloat16")  # DeepTrainConfig.precision
 
 
 def batches(fs: FeatureSet, batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
