@@ -212,7 +212,7 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
         "model_info": {"num_layers": L, "exit_layer": k, "head": head.kind, "hidden_size": ss.split.hidden_size,
                        "vocab_size": ss.split.vocab_size, "dtype": dtype,
                        "parameters": sum(p.numel() for p in ss.model.parameters())},
-        "kernels": {b: s.kernel for b, s in splits.items()}, "block_sizes": sizes,
+        "kernels": {b: s.kernel for b, s in splits.items()}, "numerics": ss.split.numerics.name, "block_sizes": sizes,
         "memory": {**memory, "weights_mb": nbytes["full"] / MIB},
         "quantized_kernels": kernel_figures(ss, sizes, cfg.reps, bandwidth) if ss.split.quantized else [],
         "machine": {**machine, "threads": threads, "torch": torch.__version__},

@@ -16,7 +16,7 @@ def format_tables(result: dict) -> str:
     info = result["model_info"]
     parts = [f"{result['model_id']}: {info['num_layers']} layers, exit layer {info['exit_layer']} "
              f"(head '{info['head']}'), {info['dtype']}, {result['machine']['threads']} threads; "
-             f"measured read bandwidth {bw:.1f} GB/s; kernels: "
+             f"measured read bandwidth {bw:.1f} GB/s; numerics {result.get('numerics', 'exact')}; kernels: "
              + ", ".join(f"{b} = {k}" for b, k in result["kernels"].items())]
     by_ctx: dict[int, list[dict]] = {}
     for f in result["figures"]:

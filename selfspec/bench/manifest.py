@@ -56,7 +56,8 @@ def open_manifest(run: Path, cfg: BenchConfig, model_cfg: ModelConfig | None, ss
     settings = {m.name: m.settings() for m in methods}
     gen = GenerateConfig(max_new_tokens=cfg.max_new_tokens, ignore_eos=False)
     model = {"model_id": ss.model_id, "num_layers": ss.split.num_layers, "vocab_size": ss.split.vocab_size,
-             "dtype": str(ss.split.dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in ss.model.parameters())}
+             "dtype": str(ss.split.dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in ss.model.parameters()),
+             "kernel": ss.split.kernel, "numerics": ss.split.numerics.name}
     if path.is_file():
         m = json.loads(path.read_text())
         problems = []
