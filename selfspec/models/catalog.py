@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.errors import ModelNotFoundError
-from selfspec.paths import cache_root
+from selfspec.paths import atomic_write_text, cache_root
 
 
 @dataclass(frozen=True)
@@ -106,3 +106,33 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def identify(path: Path, extra: tuple[tuple[str, int, str], ...] = ()) -> str | None:
+    """The name of the known model a GGUF file is, by its content, whatever the file is called: a file of a catalog
+    model's size (or of one of ``extra``'s (name, size, sha256)) whose sha256 is that model's. Only a file of a known
+    size is hashed, and its digest is kept per path, size and modification time (``cache_root()/identity``), so a
+    file is read once. None: not a known model."""
+    known = [(m.name, m.size, m.sha256) for m in MODELS.values()] + list(extra)
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    sized = [(name, sha) for name, size, sha in known if size == stat.st_size]
+    if not sized:
+        return None
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    where = cache_root() / "identity" / f"{key}.sha256"
+    try:
+        digest = where.read_text().strip()
+    except OSError:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        digest = h.hexdigest()
+        try:
+            atomic_write_text(where, digest)
+        except OSError:  # a read-only cache: hashed again next time
+            pass
+    return next((name for name, sha in sized if sha == digest), None)

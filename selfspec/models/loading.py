@@ -37,6 +37,7 @@ from selfspec.quant.store import assemble, load_packed, save_packed
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_GGUF_SIZE = 98_362_432
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)  # auto: a GGUF keeps its quantized weights (CPU), anything else float32
 SUPPORTED_MODEL_TYPES = SUPPORTED_ARCHITECTURES
@@ -338,10 +339,16 @@ def _finish(model: Any, tokenizer: Any) -> tuple[Any, Any]:
 
 
 def model_id_of(cfg: ModelConfig) -> str:
-    """A short stable name for results files and bundled heads."""
+    """A short stable name for results files and bundled heads: a known model's own name, also for its GGUF file
+    loaded by a path under any name (``catalog.identify``: by content), else the file's or folder's name."""
     if cfg.model in ("default", "", None):
         return DEFAULT_MODEL_NAME
     if cfg.model in catalog.MODELS:
         return catalog.MODELS[cfg.model].name
+    gguf = local_gguf(cfg)
+    if gguf is not None:  # a known model's file under any name: its bundled head, calibration and results name
+        known = catalog.identify(gguf, ((DEFAULT_MODEL_NAME, DEFAULT_GGUF_SIZE, DEFAULT_GGUF_SHA256),))
+        if known is not None:
+            return known
     name = cfg.gguf_file or cfg.model.rstrip("/")
     return Path(name).name.removesuffix(".gguf")
