@@ -1,7 +1,9 @@
 // The build's float vectors, shared by the kernel files (the block-quantized kernels' qcodes.h, ops.cpp,
 // attention.cpp): VL lanes, 16 on AVX-512 builds and 8 on AVX2 ones (kernels/build.py compiles with -march=native).
-// vf is a GCC vector type, so + - * are the plain vector instructions (the extension is built as ISO C++, which
-// contracts no multiply and add into one FMA); a fused multiply-add is asked for by name.
+// vf is a GCC vector type, so + - * are the plain vector instructions. GCC fuses a multiply and an add written
+// apart into one FMA where it sees both (-ffp-contract=fast, its default for C++, -std=c++20 included), so whether
+// it does can depend on inlining: paths that must agree bit for bit call the same functions, and a fused
+// multiply-add that matters is asked for by name.
 #pragma once
 #include <immintrin.h>
 
