@@ -279,10 +279,15 @@ void run_range(const StepPlan& p, const at::Tensor& h, int64_t a, int64_t b, con
   }
 }
 
-void check_range(const StepPlan& p, int64_t a, int64_t b, size_t caches, const std::vector<int64_t>& taps) {
+// Layers [a, b) within the plan, one key buffer, value buffer and start per layer of them, taps ascending in [a, b].
+void check_range(const StepPlan& p, int64_t a, int64_t b, const std::vector<at::Tensor>& keys,
+                 const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts,
+                 const std::vector<int64_t>& taps) {
   TORCH_CHECK(0 <= a && a <= b && b <= static_cast<int64_t>(p.layers.size()), "layers [", a, ", ", b,
               ") out of the plan's [0, ", p.layers.size(), ")");
-  TORCH_CHECK(caches == static_cast<size_t>(b - a), "one cache buffer and start per layer of [a, b)");
+  const size_t L = static_cast<size_t>(b - a);
+  TORCH_CHECK(keys.size() == L && values.size() == L && starts.size() == L,
+              "one cache buffer and start per layer of [a, b)");
   for (size_t t = 0; t < taps.size(); ++t)
     TORCH_CHECK(a <= taps[t] && taps[t] <= b && (t == 0 || taps[t - 1] <= taps[t]), "taps: ascending, in [a, b]");
 }
@@ -295,8 +300,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor> run_plan(
     const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& keys,
     const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts, const std::vector<int64_t>& taps,
     bool argmax) {
-  check_range(p, a, b, keys.size(), taps);
-  TORCH_CHECK(values.size() == keys.size() && starts.size() == keys.size(), "one cache buffer and start per layer");
+  check_range(p, a, b, keys, values, starts, taps);
   const at::Tensor h = token >= 0 ? embed_row(p, token) : x;
   TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == at::kFloat, "rows: [B, n, hidden] float32");
   const int64_t rows = h.size(0) * h.size(1);
@@ -331,9 +335,7 @@ void run_segments(const StepPlan& p, int64_t a, int64_t b, const at::Tensor& h, 
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1, "rows: [1, R, hidden]");
   std::vector<std::vector<at::Tensor>> c(S), s(S);
   for (size_t j = 0; j < S; ++j) {
-    check_range(p, a, b, keys[j].size(), {});
-    TORCH_CHECK(values[j].size() == keys[j].size() && starts[j].size() == keys[j].size(),
-                "one cache buffer and start per layer");
+    check_range(p, a, b, keys[j], values[j], starts[j], {});
     rotary_rows(p, a, b, positions[j], ns[j], cos[j], sin[j], c[j], s[j]);
   }
   std::vector<Segment> segs(S);
@@ -365,8 +367,7 @@ std::vector<at::Tensor> head_step(const HeadPlan& p, const at::Tensor& h, const 
                                   const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                                   const std::vector<at::Tensor>& values, const std::vector<int64_t>& starts) {
   const int64_t L = p.block.layers.size();
-  check_range(p.block, 0, L, keys.size(), {});
-  TORCH_CHECK(values.size() == keys.size() && starts.size() == keys.size(), "one cache buffer and start per layer");
+  check_range(p.block, 0, L, keys, values, starts, {});
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1 && h.is_contiguous() && h.scalar_type() == at::kFloat,
               "h: [1, n, hidden] float32 contiguous");
   TORCH_CHECK(ctx.sizes() == h.sizes() && ctx.is_contiguous() && ctx.scalar_type() == at::kFloat,
@@ -417,7 +418,7 @@ std::tuple<std::vector<at::Tensor>, bool, int64_t, double> draft_or_step(
     double bar) {
   const int64_t L = p.layers.size();
   TORCH_CHECK(0 <= k && k <= L, "exit layer ", k, " out of range [0, ", L, "]");
-  check_range(p, 0, L, keys.size(), {});
+  check_range(p, 0, L, keys, values, starts, {});
   TORCH_CHECK(p.head, "the target's plan needs its argmax head");
   const int64_t hidden = p.head->norm.numel();
   TORCH_CHECK(backlog.dim() == 3 && backlog.size(0) == 1 && backlog.size(2) == hidden &&

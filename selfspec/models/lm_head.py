@@ -25,7 +25,7 @@ class LMHead:
     run); ``ops``: the compiled ops, if any; ``softcap``: Gemma's final logit soft-capping."""
 
     def __init__(self, norm: nn.Module, lm_head: Any, softcap: float | None, fast: bool, ops: Any) -> None:
-        self.norm, self.softcap, self.fast, self.ops = norm, softcap, fast, ops
+        self.norm, self.softcap, self.ops = norm, softcap, ops
         self.lm_head: Any = lm_head  # an nn.Linear or a QuantLinear
         self.fast_norm = Norm(norm) if fast else None
         self.packed: PackedLinear | None = pack_linear(lm_head) if fast else None

@@ -27,7 +27,6 @@ from selfspec.kernels.linear import MAX_GEMV_ROWS, PackedLinear
 from selfspec.models.cache import KVCache
 from selfspec.models.fast import FastLayer, Norm
 from selfspec.models.rotary import RotaryTables
-from selfspec.quant.modules import QuantEmbedding
 from selfspec.quant.weight import QuantWeight
 
 
@@ -42,12 +41,13 @@ class Step(NamedTuple):
 
 class StepPlans:
     """The target's ``StepPlan``, built once, and the calls made of it. ``layers``: the fast layers; ``kinds``: each
-    layer's rotary kind; ``embed``: the token embedding module; ``norm``, ``lm_head``: the final norm and the packed
+    layer's rotary kind; ``embed``: the token embedding module, and ``embed_rows`` its quantized table where a lookup
+    of it is all the module does (``SplitModel._embed_rows``); ``norm``, ``lm_head``: the final norm and the packed
     LM head (None: no argmax, e.g. a soft-capped one)."""
 
-    def __init__(self, layers: list[FastLayer], kinds: list[str], embed: nn.Module, norm: Norm,
-                 lm_head: PackedLinear | None, vocab_size: int, rotary: RotaryTables) -> None:
-        self.layers, self.layer_types, self.vocab_size, self.rotary = layers, kinds, vocab_size, rotary
+    def __init__(self, layers: list[FastLayer], kinds: list[str], embed: nn.Module, embed_rows: QuantWeight | None,
+                 norm: Norm, lm_head: PackedLinear | None, vocab_size: int, rotary: RotaryTables) -> None:
+        self.layers, self.vocab_size, self.rotary = layers, vocab_size, rotary
         self.kinds = list(dict.fromkeys(kinds))  # the rotary kinds in table order
         self.ops: Any = layers[0].ops if layers else None
         self._probe = torch.zeros(1, dtype=torch.float32)  # the dtype a float32 step's tables take
@@ -60,7 +60,7 @@ class StepPlans:
             lm = lm_head.kernel_plan(self.ops)
             head = None if lm is None else self.ops.ArgmaxHead(norm.weight, norm.eps, lm)
         self.has_head = head is not None
-        self.embeds, embed_args = self._embedding(embed)
+        self.embeds, embed_args = self._embedding(embed, embed_rows)
         self.plan: Any = None
         if self.ops is not None and (self.planned or head is not None):
             self.plan = self.ops.StepPlan(plans if self.planned else [],
@@ -68,12 +68,12 @@ class StepPlans:
                                           len(self.kinds), *embed_args, vocab_size, head)
 
     @staticmethod
-    def _embedding(embed: Any) -> tuple[bool, tuple]:
+    def _embedding(embed: Any, embed_rows: QuantWeight | None) -> tuple[bool, tuple]:
         """(whether the plan can look tokens up itself, the plan's embedding arguments): a quantized table's rows
         (dequantized), a plain float32 table's, or none (a scaled embedding: Gemma)."""
         empty = torch.empty(0)
-        if isinstance(embed, QuantEmbedding) and embed.embed_scale is None and isinstance(embed.qweight, QuantWeight):
-            return True, (0, *embed.qweight.kernel_args())
+        if embed_rows is not None:
+            return True, (0, *embed_rows.kernel_args())
         if (isinstance(embed, nn.Embedding) and type(embed).forward is nn.Embedding.forward  # a plain lookup
                 and embed.max_norm is None and embed.weight.dtype == torch.float32):
             return True, (2, embed.weight.detach().contiguous(), empty, empty, 0, 0, 0.0)

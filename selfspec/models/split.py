@@ -115,9 +115,9 @@ class SplitModel:
         self.plans: StepPlans | None = None  # the compiled plan of one sequence's steps (models/plans.py)
         if self.fast_layers:
             assert self.lm.fast_norm is not None  # packed with the fast layers
-            self.plans = StepPlans(self.fast_layers, self.layer_types, self.embed_tokens, self.lm.fast_norm,
-                                   self.lm.packed if self.softcap is None else None, self.vocab_size,
-                                   self.rotary_tables)
+            self.plans = StepPlans(self.fast_layers, self.layer_types, self.embed_tokens, self._embed_rows,
+                                   self.lm.fast_norm, self.lm.packed if self.softcap is None else None,
+                                   self.vocab_size, self.rotary_tables)
             self.lm.plan_argmax = self.plans.argmax
 
     # ---- the ladder -------------------------------------------------------------------
