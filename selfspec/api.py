@@ -15,6 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
+import torch
+
 from selfspec.batch.scheduler import BatchConfig, TextScheduler
 from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, PipelineConfig
 from selfspec.cost_cache import CostCache
@@ -30,6 +32,7 @@ from selfspec.models.split import SplitModel
 from selfspec.outputs import GenerationResult, RequestOutput, StreamEvent
 from selfspec.pipeline.service import PipelineService
 from selfspec.prefix_cache import PrefixCache
+from selfspec.quant.packing import words5
 from selfspec.tuning import Tuning, head_depths, tuned
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -62,6 +65,23 @@ class SelfSpec:
         ss.source_gguf = local_gguf(mcfg)
         freeze_gc()  # what the load left (torch, transformers, the model): out of the cyclic collector's walks
         return ss
+
+    def describe(self) -> str:
+        """One line on how this model runs: kernel, numerics and its arithmetic, the instruction set the kernels
+        were built for, block types, threads and draft (the CLI prints it at load)."""
+        s = self.split
+        parts = [f"kernel {s.kernel}"]
+        if s.quantized and s.backend == "fast":
+            isa = "AVX-512" if words5() else "AVX2"
+            parts.append(f"numerics {s.numerics.name} ({s.numerics.arithmetic}; {isa} build)")
+            parts.append("weights " + " ".join(s.block_types))
+        else:
+            parts.append(f"dtype {str(s.dtype).removeprefix('torch.')}")
+        parts.append(f"{torch.get_num_threads()} threads")
+        d = self.draft_config
+        parts.append(f"draft {d.drafter}: head '{self.head.kind}' at exit layer {self.head.exit_layer}" if self.head
+                     else f"draft {d.drafter}")
+        return f"{self.model_id}: " + ", ".join(parts)
 
     # ---- draft setup ----------------------------------------------------------------
     def make_head(self, draft: DraftConfig) -> ExitHead:

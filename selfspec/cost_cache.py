@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import time
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -56,17 +55,6 @@ CHECK_REPS = 8  # timed steps (the fastest counts) ...
 CHECK_BUDGET = 0.3  # ... or fewer once this many seconds are spent (a contended machine: each step is slow)
 
 
-@lru_cache(maxsize=1)
-def _quantization(split: SplitModel) -> list[str]:
-    """The block types of a quantized model's weights (``selfspec.quant``), '+<numerics>' outside the exact mode."""
-    types = set()
-    for m in split.model.modules():
-        w = getattr(m, "qweight", None)
-        if w is not None and hasattr(w, "type_name"):
-            types.add(w.type_name + ("" if w.mode.exact else f"+{w.numerics}"))
-    return sorted(types)
-
-
 def cost_key(split: SplitModel, head: ExitHead, depth: int) -> dict[str, Any]:
     """What the costs of ``head``'s draft at ``depth`` are valid for (the module docstring)."""
     c = split.config
@@ -75,7 +63,7 @@ def cost_key(split: SplitModel, head: ExitHead, depth: int) -> dict[str, Any]:
         "machine": {"cpu": cpu_name(), "flags": hashlib.sha256(cpu_flags().encode()).hexdigest()[:12],
                     "arch": platform.machine(), "threads": torch.get_num_threads(), "device": str(split.device)},
         "model": {**model_fingerprint(split), "intermediate_size": getattr(c, "intermediate_size", None),
-                  "windows": split.windows, "dtype": str(split.dtype), "quantization": _quantization(split),
+                  "windows": split.windows, "dtype": str(split.dtype), "quantization": split.block_types,
                   "backend": split.backend, "kernel": split.kernel},
         "head": {"id": head_identity(head), "kind": head.kind, "params": head.num_params(),
                  "vocab_drafted": len(head.vocab_ids), "depth": depth,

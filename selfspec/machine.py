@@ -41,6 +41,8 @@ class CpuInfo:
         if self.vendor == "AuthenticAMD" and self.family is not None and self.model is not None:
             if self.family == 0x1A:
                 return "amd-zen5"
+            if self.family == 0x17:  # Zen and Zen+ below model 0x30, Zen 2 from it (Rome is 0x31)
+                return "amd-zen2" if self.model >= 0x30 else "amd-zen"
             if self.family == 0x19:
                 gen = next((g for lo, hi, g in _ZEN_19 if lo <= self.model <= hi), None)
                 if gen:

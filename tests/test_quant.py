@@ -293,43 +293,84 @@ def test_five_bit_words_layout():
     q = rng.integers(0, 32, (3, 4, 32, packing.LANES), dtype=np.uint8)
     np.testing.assert_array_equal(packing.unpack_words5(packing.pack_words5(q)), q)
     assert packing.words5() == bool(built_extension().qcodes5_words())
-    assert packing.pack_layout() == ("w5" if packing.words5() else "p5")
+    assert packing.pack_layout() == ("w5-k2" if packing.words5() else "p5-k32")
     with pytest.raises(ValueError, match="groups of 32"):
         packing.pack_words5(q[:, :, :16])
 
 
-@pytest.mark.parametrize("type_name", QUANTIZABLE)
-def test_legacy_scales_are_float16_and_compute_as_float32_ones(type_name):
-    """The legacy types keep their GGUF float16 scales (and offsets) packed as float16: half the bytes, and every
-    kernel (rows, int8 mode, dequantized rows and tiles) gives bit for bit what float32 copies of them give."""
+@pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
+def test_compact_scales_compute_as_float32_ones(type_name):
+    """The legacy types keep their GGUF float16 scales (and offsets) as float16, the K-quants theirs in the GGUF's two
+    levels (a sub-scale byte per group, a float16 per super-block): every kernel (rows, panels, int8 mode, dequantized
+    rows and tiles, the screen's bound table) gives bit for bit what float32 copies of the same values give."""
     raw = random_tensor(type_name, 53, 512, seed=7)
-    half = QuantWeight.from_gguf(raw, type_name, 512)
-    assert half.scales.dtype == torch.float16 and half.offsets.dtype in (torch.float16, torch.float32)
-    if FORMATS[type_name].offset:
-        assert half.offsets.dtype == torch.float16
-    full = QuantWeight(type_name, half.shape, half.codes, half.scales.float(),
-                       half.offsets.float() if half.offsets.numel() else half.offsets)
-    assert full.nbytes - half.nbytes == (half.scales.numel() + half.offsets.numel()) * 2
+    compact = QuantWeight.from_gguf(raw, type_name, 512, factored=True)  # two levels whatever this build packs
+    k_quant = type_name in K_QUANTS
+    if k_quant:
+        assert compact.scales.dtype == (torch.int8 if type_name == "Q6_K" else torch.uint8)
+        per = 256 // FORMATS[type_name].group
+        assert compact.scales.shape == (4, 512 // 256, 16 * per + 32)
+        codes, scales, offsets = compact.unpacked()
+        full = QuantWeight.from_codes(type_name, codes, scales, offsets, factored=False)  # float32 values
+        assert full.scales.dtype == torch.float32
+    else:
+        assert compact.scales.dtype == torch.float16
+        if FORMATS[type_name].offset:
+            assert compact.offsets.dtype == torch.float16
+        full = QuantWeight(type_name, compact.shape, compact.codes, compact.scales.float(),
+                           compact.offsets.float() if compact.offsets.numel() else compact.offsets)
+        assert full.nbytes - compact.nbytes == (compact.scales.numel() + compact.offsets.numel()) * 2
+    assert compact.offsets.dtype == compact.scales.dtype or not compact.offsets.numel()
     g = torch.Generator().manual_seed(1)
-    for rows in (1, 4, 16, 40):
+    for rows in (1, 4, 16, 40, 130):
         x = torch.randn(rows, 512, generator=g)
         for int8 in (False, True):
-            half.numerics = full.numerics = "int8" if int8 else "exact"
+            compact.numerics = full.numerics = "int8" if int8 else "exact"
             a, b = torch.empty(rows, 53), torch.empty(rows, 53)
-            half.matmul(x, a)
+            compact.matmul(x, a)
             full.matmul(x, b)
             assert torch.equal(a, b), (rows, int8)
+        a, b = torch.empty(rows, 53), torch.empty(rows, 53)
+        compact._panels(x, a, None, False)
+        full._panels(x, b, None, False)
+        assert torch.equal(a, b), rows
     ids = torch.tensor([0, 17, 52])
-    assert torch.equal(half.rows(ids), full.rows(ids))
+    assert torch.equal(compact.rows(ids), full.rows(ids))
+    assert torch.equal(compact.select(ids).dense(), full.rows(ids))
     ext = built_extension()
-    assert torch.equal(ext.qdense_t(*half.kernel_args(), 0, 4, torch.empty(512, 64)),
+    assert torch.equal(ext.qdense_t(*compact.kernel_args(), 0, 4, torch.empty(512, 64)),
                        ext.qdense_t(*full.kernel_args(), 0, 4, torch.empty(512, 64)))
+    from selfspec.quant.screen import error_table
+    assert torch.equal(error_table(compact), error_table(full))
 
 
-def test_k_quant_scales_stay_float32():
-    """d x a 6-bit sub-scale is not a float16: the K-quants keep float32 scales (exactness first)."""
-    for type_name in K_QUANTS:
-        assert QuantWeight.from_gguf(random_tensor(type_name, 16, 256), type_name, 256).scales.dtype == torch.float32
+@pytest.mark.parametrize("type_name", K_QUANTS)
+def test_k_quants_pack_at_their_gguf_size(type_name):
+    """A K-quant's packed scales and offsets take at most an eighth of a bit a weight more than the GGUF's (Q6_K's
+    codes are bytes: docs/QUANTIZED.md); the factored values are gguf-py's products exactly."""
+    from selfspec.quant.formats import Factored, decode_factored
+    from selfspec.quant.packing import factored_k_scales
+
+    raw = random_tensor(type_name, 64, 1024, seed=3)
+    qw = QuantWeight.from_gguf(raw, type_name, 1024, factored=True)
+    build = QuantWeight.from_gguf(raw, type_name, 1024)  # this build's form: two levels on AVX-512, float32 on AVX2
+    assert (build.scales.dtype != torch.float32) == factored_k_scales()
+    assert torch.equal(build.dense(), qw.dense())
+    assert torch.equal(qw.select(torch.tensor([3, 40])).scales, QuantWeight.from_gguf(raw[[3, 40]], type_name, 1024,
+                                                                                      factored=True).scales)
+    fmt = FORMATS[type_name]
+    code_bytes = qw.codes.numel()
+    gguf_scale_bits = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1] * 8 / 256 - int(type_name[1])
+    scale_bits = (qw.scales.numel() + qw.offsets.numel()) * 8 / (64 * 1024)
+    assert scale_bits <= gguf_scale_bits + 0.125, (scale_bits, gguf_scale_bits)
+    assert code_bytes == 64 * 1024 * (1 if fmt.bits == 8 else fmt.bits / 8)
+    _, scales, offsets, _ = decode_factored(raw, type_name, 1024)
+    assert isinstance(scales, Factored) and (offsets is None) == (not fmt.offset)
+    _, s32, o32, _ = decode(raw, type_name, 1024)
+    np.testing.assert_array_equal(scales.values(), s32)
+    with pytest.raises(RuntimeError, match="K-quant scales"):
+        built_extension().qdequant(qw.codes, qw.scales[:, :, :-16].contiguous(), qw.offsets, fmt.bits, fmt.group,
+                                   float(fmt.zero), torch.tensor([0]), torch.empty(1, 1024))
 
 
 @pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)

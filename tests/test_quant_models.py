@@ -333,3 +333,17 @@ def test_a_greedy_step_takes_the_final_norm_lm_head_and_argmax_in_one_call(one_t
             assert torch.equal(split.greedy_ids(h[:, :rows]), split.logits(h[:, :rows]).argmax(-1)), rows
     screened = [r for r in (1, 2, 5, 16) if split.screen is not None and split.screen.covers(r)]
     assert calls == [r for r in (1, 2, 5, 16) if r not in screened]
+
+
+def test_the_numerics_in_use_are_described_at_load(capsys):
+    from selfspec.quant.modules import set_numerics
+
+    exact = SelfSpec(quantize_model(tiny_model("llama"), "Q4_0"), None, DraftConfig(exit_layer=2, head="lm", gamma=2))
+    line = exact.describe()
+    assert "kernel selfspec-quant," in line and "numerics exact (float32 activations" in line
+    assert "weights Q4_0" in line and ("AVX-512 build" in line or "AVX2 build" in line)
+    int8 = SelfSpec(set_numerics(quantize_model(tiny_model("llama"), "Q4_0"), "int8"), None,
+                    DraftConfig(exit_layer=2, head="lm", gamma=2))
+    assert "numerics int8 (activations rounded to 8 bits" in int8.describe() and "Q4_0+int8" in int8.describe()
+    plain = SelfSpec(tiny_model("llama"), None, DraftConfig(exit_layer=2, head="lm", gamma=2)).describe()
+    assert "numerics" not in plain and "dtype float32" in plain

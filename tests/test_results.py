@@ -29,6 +29,7 @@ def test_cpu_kind_and_flags_from_cpuinfo():
     xeon = parse_cpuinfo(XEON)
     assert (xeon.kind, xeon.has_amx) == ("intel-family6-model207", True)
     assert parse_cpuinfo("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t: 2\n").kind == "amd-zen5"
+    assert parse_cpuinfo("vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t: 49\n").kind == "amd-zen2"
     assert parse_cpuinfo("").kind  # unknown: the architecture's name, never empty
 
 

@@ -49,7 +49,7 @@ from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import bundled_head_dir, read_head_config
 from selfspec.memory import resident_mb
 from selfspec.models.split import BACKENDS, SplitModel
-from selfspec.progress import progress
+from selfspec.progress import announce, progress
 from selfspec.timing import time_call
 
 FORMAT = "selfspec-bench-forward/1"
@@ -152,6 +152,7 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
     if ss is None:
         # a fixed gamma: the bench needs the head, not the draft-cost measurement of gamma=None
         ss = SelfSpec.load(replace(model_cfg, backend=cfg.backends[0]), DraftConfig(exit_layer=cfg.exit_layer, gamma=4))
+        announce(ss.describe())
     rss_after_load = resident_mb()  # before a reference backend dequantizes anything
     memory = memory_breakdown(ss, rss_after_load)
     L = ss.split.num_layers

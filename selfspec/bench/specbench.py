@@ -45,7 +45,7 @@ from selfspec.bench.turn import run_turn
 from selfspec.cli_options import add_config_args, config_from_args
 from selfspec.config import ModelConfig
 from selfspec.errors import InvalidConfigError
-from selfspec.progress import progress
+from selfspec.progress import announce, progress
 
 WARMUP_PROMPT = "Write two sentences about rivers and the sea, then one about mountains."
 
@@ -94,6 +94,7 @@ def run_bench(cfg: BenchConfig, model_cfg: ModelConfig | None = None, ss: SelfSp
     chosen = select_questions(questions, cfg.categories, cfg.limit)
     if ss is None:
         ss = SelfSpec.load(model_cfg or ModelConfig())
+        announce(ss.describe())
     methods = resolve_methods(cfg.methods, cfg, ss)
     run = Path(cfg.out)
     manifest = open_manifest(run, cfg, model_cfg, ss, methods)

@@ -37,7 +37,7 @@ int64_t qargmax(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor of
   TORCH_CHECK(n <= codes.size(0) * L && n > (codes.size(0) - 1) * L, "n: ", n, " output rows for ", codes.size(0), " blocks");
   struct {
     const uint8_t* codes;
-    Sc scales, offsets;
+    Scales scales, offsets;
     float z;
     bool off;
   } const a{codes.data_ptr<uint8_t>(), sc_of(scales), sc_of(offsets), (float)z, offsets.numel() > 0};
@@ -107,8 +107,9 @@ int64_t qargmax(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor of
       const int64_t b = blocks[c];
       float res[MCMAX * L];
       const uint8_t* cb = a.codes + b * G * CB;
-      const Sc sb = a.scales + b * G * L;
-      const Sc ob = OO ? a.offsets + b * G * L : Sc{};
+      float* buf = a.scales.k() ? block_buffer(G) : nullptr;  // as run: K forms expanded once a block
+      const Sc sb = expand_block(a.scales + b * G * L, G, buf);
+      const Sc ob = OO ? expand_block(a.offsets + b * G * L, G, buf + G * L) : Sc{};
       for (int64_t m0 = 0; m0 < M;) {
         const int64_t mc = std::min<int64_t>(M - m0, MCMAX);
         const float* xm = xp + m0 * K;
@@ -142,7 +143,7 @@ int64_t qargmax(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor of
 namespace {
 
 template <int BITS, bool OFF>
-void group_l1(const uint8_t* codes, Sc sc, Sc of, int64_t NB, int64_t G, int64_t g, float z, float* out) {
+void group_l1(const uint8_t* codes, Scales sc, Scales of, int64_t NB, int64_t G, int64_t g, float z, float* out) {
   const vf zv = bcast(z);
 #pragma omp parallel
   {

@@ -14,8 +14,10 @@
 //
 // Packed layout (one tensor, made once at load by selfspec/quant/weight.py):
 //   codes    # [N / 16, G, CB] uint8     16 output rows (one vector of lanes) by G groups of g weights
-//   scales   # [N / 16, G, 16] float32   s of each row's group (float16 for the legacy types: exact, see Sc)
-//   offsets  # [N / 16, G, 16] float32   o (only for types with one; else an empty tensor), typed like scales
+//   scales   # [N / 16, G, 16] float32   s of each row's group: float16 for the legacy types; on AVX-512 builds the
+//                                         K-quants' two levels (sub-scale bytes, float16 d per super-block) as the
+//                                         GGUF stores them, [N / 16, G / P, 16 P + 32] bytes (see Scales)
+//   offsets  # the same form as scales    o (only for types with one; else an empty tensor)
 // Inside a group of 16 rows x g columns (k = 0 .. g-1), CB bytes:
 //   bits 4: g / 2 vectors of 16 bytes, byte r of vector p = q[r][2p] | q[r][2p + 1] << 4;
 //   bits 5 (g = 32), AVX-512 builds ("words"): 5 vectors of 16 32-bit words; bits 5c .. 5c + 4 of word r of
@@ -70,27 +72,114 @@ inline vi widen(const uint8_t* p) {  // VL bytes -> VL int32 (vpmovzxbd; GCC's g
 #endif
 }
 
-// A packed weight's scales (or offsets), 16 per group: float32, or float16 where every value is exact in it (the
-// legacy types' d and m are float16 in the GGUF: their packed copy keeps them so, 2 bytes a value instead of 4;
-// selfspec/quant/weight.py). Widening a half to float32 is exact, so the weights are the same either way; the flag is
-// per weight and checked per group (a predictable branch beside a group's 16-32 columns of work).
+inline vi widen_signed(const uint8_t* p) {  // VL bytes read as int8 -> VL int32 (vpmovsxbd)
+#if defined(__AVX512F__)
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p));
+#else
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#endif
+}
+
+inline vf halves(const uint16_t* p) {  // VL float16 -> VL float32 (exact)
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#else
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#endif
+}
+
+// A packed weight's scales (or offsets) in any of its forms (Scales), and as the decoding tiles read them (Sc).
+//
+// Scales: one value per output row and group, read 16 (a block's rows) at a time.
+// Value i is group i / 16's, row i % 16's (flat over blocks and groups: block b's group j starts at (b G + j) 16).
+// Three forms, each holding exactly the values formats.py decodes, so every kernel computes with the same weights
+// whichever a weight has (selfspec/quant/packing.py makes them):
+//   F32   [NB, G, 16] float32;
+//   F16   [NB, G, 16] float16: the legacy types, whose d and m are float16 in the GGUF (widening is exact);
+//   K     the K-quants' two levels as the GGUF stores them: per super-block of P = 256 / g groups, P x 16 sub-scale
+//         bytes (Q4_K / Q5_K's 6-bit sc or m: unsigned, KU8; Q6_K's int8 sc: signed, KI8), then the super-block's
+//         16 float16 d (or dmin): [NB, G / P, 16 P + 32] bytes, 1.125 bytes a value at P = 8 (F32: 4). The value is
+//         d * sub in float32, the product gguf-py forms (exact: 11 significant bits times at most 8).
+// The paths that are not bound by a decoding step's instructions (panels, dense rows and tiles, the screen's table)
+// read every form through Scales; the decoding tiles read a block's values through Sc (below).
+enum ScKind : int { F32 = 0, F16 = 1, KU8 = 2, KI8 = 3 };
+struct Scales {
+  const void* p = nullptr;
+  int kind = F32;
+  int shift = 0;      // K forms: log2 P
+  int64_t base = 0;   // K forms: the index of p's value 0 (operator+ moves this, not p)
+  bool k() const { return kind >= KU8; }
+  const char* superblock(int64_t v) const { return (const char*)p + ((v >> 4) >> shift) * ((16 << shift) + 32); }
+  const char* addr(int64_t i) const {  // of value i (K forms: its sub-scale byte)
+    if (!k()) return (const char*)p + i * (kind == F16 ? 2 : 4);
+    const int64_t v = base + i;
+    return superblock(v) + ((v >> 4) & ((1 << shift) - 1)) * 16 + (v & 15);
+  }
+  const uint16_t* super(int64_t i) const {  // K forms: the float16 d (dmin) that value i's sub-scale multiplies
+    const int64_t v = base + i;
+    return (const uint16_t*)(superblock(v) + (16 << shift)) + (v & 15);
+  }
+  Scales operator+(int64_t i) const {
+    if (!p) return *this;
+    return k() ? Scales{p, kind, shift, base + i} : Scales{addr(i), kind, shift, 0};
+  }
+  vf vec(int64_t i) const {  // VL values from value i (i % 16 is 0 or, on AVX2, 8)
+    if (kind == F32) return loadf((const float*)p + i);
+    if (kind == F16) return halves((const uint16_t*)p + i);
+    const uint8_t* s = (const uint8_t*)addr(i);
+    const vi sub = kind == KU8 ? widen(s) : widen_signed(s);
+    return halves(super(i)) * __builtin_convertvector(sub, vf);
+  }
+  float at(int64_t i) const {
+    if (kind == F32) return ((const float*)p)[i];
+    if (kind == F16) return _cvtsh_ss(((const uint16_t*)p)[i]);
+    const uint8_t s = *(const uint8_t*)addr(i);
+    return _cvtsh_ss(*super(i)) * (float)(kind == KU8 ? (int)s : (int)(int8_t)s);
+  }
+};
+
+// A block's scales (or offsets) as the decoding tiles read them: float32, or float16 where every value is exact in
+// it (the legacy types' d and m, as the GGUF stores them); widening a half is exact. The flag is per weight and
+// checked per group (a predictable branch beside a group's 16-32 columns of work). A K form reaches the tiles
+// expanded (expand_block), so their per-group work is that of a float32 weight's.
 struct Sc {
   const void* p = nullptr;
   bool half = false;
   const char* addr(int64_t i) const { return (const char*)p + i * (half ? 2 : 4); }  // of value i
   Sc operator+(int64_t i) const { return {p ? addr(i) : nullptr, half}; }
-  vf vec(int64_t i) const {  // VL values from value i
-    if (half) {
-#if defined(__AVX512F__)
-      return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)));
-#else
-      return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)));
-#endif
-    }
-    return loadf((const float*)p + i);
-  }
+  vf vec(int64_t i) const { return half ? halves((const uint16_t*)p + i) : loadf((const float*)p + i); }
   float at(int64_t i) const { return half ? _cvtsh_ss(((const uint16_t*)p)[i]) : ((const float*)p)[i]; }
 };
+
+// Block ``s``'s values (``sc + b G 16``) for the tiles: a float32 or float16 form as it is; a K form expanded once per
+// block into ``out`` (16 G floats; a super-block's d widened once for its P groups): d * sub in float32, the values
+// Scales::vec gives. A K form's blocks start on a super-block (G is a multiple of P).
+inline Sc expand_block(Scales s, int64_t G, float* out) {
+  if (!s.p) return {};
+  if (!s.k()) return {s.p, s.kind == F16};
+  const int64_t P = int64_t(1) << s.shift, SB = 16 * P + 32;
+  const char* first = s.superblock(s.base);
+  for (int64_t q = 0; q < G / P; ++q) {
+    const uint8_t* sub = (const uint8_t*)(first + q * SB);
+    const uint16_t* d = (const uint16_t*)(sub + 16 * P);
+    for (int h = 0; h < L / VL; ++h) {
+      const vf dv = halves(d + VL * h);
+      for (int64_t r = 0; r < P; ++r) {
+        const vi v = s.kind == KU8 ? widen(sub + r * 16 + VL * h) : widen_signed(sub + r * 16 + VL * h);
+        const vf val = dv * __builtin_convertvector(v, vf);
+        std::memcpy(out + (q * P + r) * L + VL * h, &val, sizeof(vf));
+      }
+    }
+  }
+  return {out, false};
+}
+
+// A thread's buffer for expand_block: two blocks' worth (scales and offsets), grown as needed, kept between calls.
+inline float* block_buffer(int64_t G) {
+  thread_local std::vector<float> buf;
+  if ((int64_t)buf.size() < 2 * G * L) buf.resize(2 * G * L);
+  return buf.data();
+}
 
 #if defined(__AVX512F__)
 constexpr bool WORDS5 = true;  // 5-bit codes as words (the layout above)
@@ -255,10 +344,19 @@ inline void check_packed(const at::Tensor& codes, const at::Tensor& scales, cons
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes: [N/16, G, CB] uint8");
   TORCH_CHECK(codes.size(2) == group_bytes(bits, group), "codes: ", codes.size(2), " bytes per group, expected ",
               group_bytes(bits, group));
+  const auto type = scales.scalar_type();
+  const bool k = type == at::kByte || type == at::kChar;
   TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.size(0) == codes.size(0) &&
-                  scales.size(1) == codes.size(1) && scales.size(2) == L &&
-                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              "scales: [N/16, G, 16] float32 or float16");
+                  (type == at::kFloat || type == at::kHalf || k),
+              "scales: [N/16, G, 16] float32 or float16, or the K-quants' [N/16, G/P, 16 P + 32] uint8 or int8");
+  if (k) {
+    const int64_t P = (scales.size(2) - 32) / 16;
+    TORCH_CHECK(P > 0 && (P & (P - 1)) == 0 && scales.size(2) == 16 * P + 32 && scales.size(1) * P == codes.size(1),
+                "K-quant scales: [N/16, G/P, 16 P + 32] bytes with P a power of two, got ", scales.sizes(), " for ",
+                codes.size(1), " groups");
+  } else {
+    TORCH_CHECK(scales.size(1) == codes.size(1) && scales.size(2) == L, "scales: [N/16, G, 16]");
+  }
   TORCH_CHECK(offsets.numel() == 0 || (offsets.sizes() == scales.sizes() && offsets.is_contiguous() &&
                                        offsets.scalar_type() == scales.scalar_type()),
               "offsets: empty or shaped (and typed) like scales");
@@ -291,16 +389,20 @@ inline void check_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 }
 
 // A checked scales or offsets tensor as the kernels read it (an empty tensor: none).
-inline Sc sc_of(const at::Tensor& t) {
-  return {t.numel() ? t.data_ptr() : nullptr, t.scalar_type() == at::kHalf};
+inline Scales sc_of(const at::Tensor& t) {
+  if (!t.numel()) return {};
+  const auto type = t.scalar_type();
+  if (type == at::kFloat || type == at::kHalf) return {t.data_ptr(), type == at::kHalf ? F16 : F32};
+  const int64_t P = (t.size(2) - 32) / 16;  // groups per super-block (check_packed: a power of two)
+  return {t.data_ptr(), type == at::kByte ? KU8 : KI8, __builtin_ctzll(P)};
 }
 
 // The raw pointers and sizes of a checked qlinear / qlinear_i8 call (the packed weight, bias, output).
 struct LinearArgs {
   int64_t M, K, NB, G, N, ldy;
   const uint8_t* codes;
-  Sc scales;
-  Sc offsets;  // p == nullptr: the type has no offsets
+  Scales scales;
+  Scales offsets;  // p == nullptr: the type has no offsets
   const float* bias;     // nullptr: none
   float* y;
   float z;
@@ -319,13 +421,13 @@ inline LinearArgs linear_args(const at::Tensor& x, const at::Tensor& codes, cons
 
 // The checked call's weight as the raw kernels take it.
 inline raw::QWeight weight_of(const LinearArgs& a, int64_t bits, int64_t group) {
-  return {a.codes, a.scales.p, a.offsets.p, a.scales.half, a.NB, a.G, group, bits, a.z};
+  return {a.codes, a.scales.p, a.offsets.p, a.scales.kind, a.scales.shift, a.NB, a.G, group, bits, a.z};
 }
 
 // Group j of block b dequantized and transposed: o[k * ldo + r] = weight of output row 16 b + r, column g j + k
 // (qdense_t's tiles, the prefill's panels, the screen's bound table).
 template <int BITS, bool OFF>
-inline void group_t(const uint8_t* codes, Sc sc, Sc of, int64_t G, int64_t g, vf zv, int64_t b,
+inline void group_t(const uint8_t* codes, Scales sc, Scales of, int64_t G, int64_t g, vf zv, int64_t b,
                     int64_t j, float* o, int64_t ldo) {
   const uint8_t* cg = codes + (b * G + j) * group_bytes(BITS, g);
   for (int h = 0; h < NV; ++h) {
@@ -339,6 +441,10 @@ inline void group_t(const uint8_t* codes, Sc sc, Sc of, int64_t G, int64_t g, vf
     }
   }
 }
+
+// A raw weight's scales and offsets as the kernels read them.
+inline Scales scales_of(const raw::QWeight& w) { return {w.scales, w.scale_kind, w.scale_shift}; }
+inline Scales offsets_of(const raw::QWeight& w) { return {w.offsets, w.scale_kind, w.scale_shift}; }
 
 // ---- what qargmax.cpp takes from the decoding kernels (qlinear.cpp, qlinear_i8.cpp) ----------------------------
 
@@ -373,7 +479,7 @@ struct Rounded {
 // Rows [m0, m0 + mc) of the rounded activations (mc <= MC_I8) against block b: res[mc][16] (qlinear_i8.cpp).
 template <int BITS, bool OFF>
 void tile_i8_rows(const int8_t* qx, const int8_t* xp, const float* dx, const int32_t* sx, int64_t m0, int64_t mc,
-                  int64_t K, int64_t G, int64_t g, const uint8_t* codes, Sc sc, Sc of, int64_t b, float z,
+                  int64_t K, int64_t G, int64_t g, const uint8_t* codes, Scales sc, Scales of, int64_t b, float z,
                   float* res);
 
 }  // namespace qcodes

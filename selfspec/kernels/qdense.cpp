@@ -42,7 +42,7 @@ at::Tensor qdequant(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int
               "out: [R, K] float32");
   const int64_t CB = group_bytes(bits, group);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const Sc sp = sc_of(scales), op = sc_of(offsets);
+  const Scales sp = sc_of(scales), op = sc_of(offsets);
   const int64_t* ip = ids.data_ptr<int64_t>();
   float* yp = out.data_ptr<float>();
   for (int64_t i = 0; i < R; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < NB * L, "row id ", ip[i], " out of range");
@@ -76,7 +76,7 @@ at::Tensor qdequant(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int
 namespace {
 
 template <int BITS, bool OFF>
-void dense_t(const uint8_t* codes, Sc sc, Sc of, int64_t G, int64_t g, float z, int64_t b0,
+void dense_t(const uint8_t* codes, Scales sc, Scales of, int64_t G, int64_t g, float z, int64_t b0,
              int64_t b1, float* out) {
   const int64_t ldo = (b1 - b0) * L;
   const vf zv = bcast(z);

@@ -95,7 +95,7 @@ inline void gemm_rows(const float* xp, int64_t K, int64_t k0, const float* w, in
 
 // Columns [k0, k0 + kc) of blocks [b, b + PB) dequantized into w[kc][PR] (blocks past NB are zeros).
 template <int BITS, bool OFF>
-void panel(const uint8_t* codes, Sc sc, Sc of, int64_t NB, int64_t G, int64_t g, float z,
+void panel(const uint8_t* codes, Scales sc, Scales of, int64_t NB, int64_t G, int64_t g, float z,
            int64_t b, int64_t k0, int64_t kc, float* w) {
   const vf zv = bcast(z);
   for (int pb = 0; pb < PB; ++pb) {
@@ -110,7 +110,7 @@ void panel(const uint8_t* codes, Sc sc, Sc of, int64_t NB, int64_t G, int64_t g,
 }
 
 template <int BITS, bool OFF>
-void run_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, Sc sc, Sc of,
+void run_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales sc, Scales of,
               int64_t NB, int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N,
               bool accumulate) {
   const int64_t NP = (NB + PB - 1) / PB;

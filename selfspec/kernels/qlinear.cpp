@@ -250,7 +250,7 @@ SELFSPEC_EACH_CODE(SELFSPEC_INSTANTIATE)
 namespace {
 
 template <int BITS, bool OFF>
-void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Sc sc, Sc of, int64_t NB,
+void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales sc, Scales of, int64_t NB,
          int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N, bool accumulate) {
   const int64_t CB = group_bytes(BITS, g);
   const std::vector<float> xsum = group_sums<BITS, OFF>(x, M, G, g);
@@ -258,8 +258,9 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Sc sc, Sc o
   for (int64_t b = 0; b < NB; ++b) {
     float res[MCMAX * L];
     const uint8_t* cb = codes + b * G * CB;
-    const Sc sb = sc + b * G * L;
-    const Sc ob = OFF ? of + b * G * L : Sc{};
+    float* buf = sc.k() ? block_buffer(G) : nullptr;  // K forms: the block's scales expanded once (expand_block)
+    const Sc sb = expand_block(sc + b * G * L, G, buf);
+    const Sc ob = OFF ? expand_block(of + b * G * L, G, buf + G * L) : Sc{};
     const int64_t rows = std::min<int64_t>(L, N - b * L);
     for (int64_t m0 = 0; m0 < M;) {
       const int64_t left = M - m0;
@@ -279,15 +280,15 @@ raw::QWeight raw::qweight(const at::Tensor& codes, const at::Tensor& scales, con
                           int64_t bits, int64_t group, double z) {
   check_packed(codes, scales, offsets, bits, group);
   check_zero(bits, z);
-  const Sc s = sc_of(scales), o = sc_of(offsets);
-  return {codes.data_ptr<uint8_t>(), s.p, o.p, s.half, codes.size(0), codes.size(1), group, bits, (float)z};
+  const Scales s = sc_of(scales), o = sc_of(offsets);
+  return {codes.data_ptr<uint8_t>(), s.p, o.p, s.kind, s.shift, codes.size(0), codes.size(1), group, bits, (float)z};
 }
 
 void raw::qlinear(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t ldy, int64_t N,
                   bool accumulate) {
   dispatch(w.bits, w.offsets != nullptr, [&](auto B, auto O) {
-    run<decltype(B)::value, decltype(O)::value>(x, M, w.G * w.group, w.codes, Sc{w.scales, w.half},
-                                                Sc{w.offsets, w.half}, w.NB, w.G, w.group, w.z, bias, y, ldy, N,
+    run<decltype(B)::value, decltype(O)::value>(x, M, w.G * w.group, w.codes, scales_of(w), offsets_of(w), w.NB,
+                                                w.G, w.group, w.z, bias, y, ldy, N,
                                                 accumulate);
   });
 }

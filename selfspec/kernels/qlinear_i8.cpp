@@ -278,7 +278,7 @@ namespace qcodes {
 // Rows [m0, m0 + mc) of the rounded activations (mc <= MC_I8) against block b: res[mc][16].
 template <int BITS, bool OFF>
 void tile_i8_rows(const int8_t* qx, const int8_t* xp, const float* dx, const int32_t* sx, int64_t m0,
-                  int64_t mc, int64_t K, int64_t G, int64_t g, const uint8_t* codes, Sc sc, Sc of, int64_t b,
+                  int64_t mc, int64_t K, int64_t G, int64_t g, const uint8_t* codes, Scales sc, Scales of, int64_t b,
                   float z, float* res) {
   const int64_t CB = group_bytes(BITS, g);
   const int8_t* q = qx + m0 * K;
@@ -286,8 +286,9 @@ void tile_i8_rows(const int8_t* qx, const int8_t* xp, const float* dx, const int
   const float* d = dx + m0 * G;
   const int32_t* sm = sx + m0 * G;
   const uint8_t* cb = codes + b * G * CB;
-  const Sc sb = sc + b * G * L;
-  const Sc ob = OFF ? of + b * G * L : Sc{};
+  float* buf = sc.k() ? block_buffer(G) : nullptr;  // K forms expanded once per call (expand_block)
+  const Sc sb = expand_block(sc + b * G * L, G, buf);
+  const Sc ob = OFF ? expand_block(of + b * G * L, G, buf + G * L) : Sc{};
   switch (mc) {
     case 1: tile_i8<BITS, OFF, 1>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
     case 2: tile_i8<BITS, OFF, 2>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
@@ -307,7 +308,7 @@ void tile_i8_rows(const int8_t* qx, const int8_t* xp, const float* dx, const int
 // The instantiations qargmax.cpp calls: every code width, with and without offsets (dispatch's cases).
 #define SELFSPEC_INSTANTIATE(BITS, OFF)                                                                             \
   template void tile_i8_rows<BITS, OFF>(const int8_t*, const int8_t*, const float*, const int32_t*, int64_t, int64_t, \
-                                        int64_t, int64_t, int64_t, const uint8_t*, Sc, Sc, int64_t, float, float*);
+                                        int64_t, int64_t, int64_t, const uint8_t*, Scales, Scales, int64_t, float, float*);
 SELFSPEC_EACH_CODE(SELFSPEC_INSTANTIATE)
 #undef SELFSPEC_INSTANTIATE
 
@@ -361,7 +362,7 @@ namespace {
 template <int BITS, bool OFF>
 void run_i8(const int8_t* qx, const int8_t* xp, const float* dx, const int32_t* sx, int64_t M, int64_t K,
             const uint8_t* codes,
-            Sc sc, Sc of, int64_t NB, int64_t G, int64_t g, float z, const float* bias, float* y,
+            Scales sc, Scales of, int64_t NB, int64_t G, int64_t g, float z, const float* bias, float* y,
             int64_t ldy, int64_t N, bool accumulate) {
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < NB; ++b) {
@@ -383,7 +384,7 @@ void raw::qlinear_i8(const float* x, int64_t M, const QWeight& w, const float* b
   const Rounded r(x, M, K, w.group, w.bits);
   dispatch(w.bits, w.offsets != nullptr, [&](auto B, auto O) {
     run_i8<decltype(B)::value, decltype(O)::value>(r.qx.get(), r.pairs.get(), r.dx.data(), r.sx.data(), M, K, w.codes,
-                                                   Sc{w.scales, w.half}, Sc{w.offsets, w.half}, w.NB, w.G, w.group,
+                                                   scales_of(w), offsets_of(w), w.NB, w.G, w.group,
                                                    w.z, bias, y, ldy, N, accumulate);
   });
 }

@@ -97,8 +97,12 @@ class SplitModel:
         self.quantized = is_quantized(model)  # a GGUF with its block-quantized weights (selfspec.quant)
         self.kernel = kernel_name(self.device, self.dtype) if backend == "fast" else "transformers-modules"
         self.numerics: Numerics = NUMERICS["exact"]  # how the quantized weights multiply (quant/numerics.py)
+        qweights = [w for m in model.modules() if isinstance(w := getattr(m, "qweight", None), QuantWeight)]
+        # the GGUF block types of the weights, '+<numerics>' outside the exact mode ([] unquantized)
+        self.block_types: list[str] = sorted({w.type_name + ("" if w.mode.exact else f"+{w.numerics}")
+                                              for w in qweights})
         if backend == "fast" and self.quantized:
-            modes = {w.mode for m in model.modules() if isinstance(w := getattr(m, "qweight", None), QuantWeight)}
+            modes = {w.mode for w in qweights}
             self.numerics = min(modes, key=lambda m: m.exact) if modes else NUMERICS["exact"]  # (one per model)
             self.kernel = "selfspec-quant" + self.numerics.suffix
         self.fast_layers: list[FastLayer] = []

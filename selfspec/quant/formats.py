@@ -35,6 +35,7 @@ of a nibble, a permute and two bit planes: at a few x-rows the decode, not the b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -94,9 +95,52 @@ def _bits32(qh: np.ndarray) -> np.ndarray:  # [n, 4] bytes (a little-endian uint
     return ((v >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
+@dataclass(frozen=True)
+class Factored:
+    """A K-quant's per-group scales (or offsets) in the two levels its GGUF stores: a small integer per group times a
+    float16 per super-block of 256 weights. ``values()`` is their float32 product, as gguf-py forms it."""
+
+    sub: np.ndarray  # [N, G] uint8 (Q4_K / Q5_K's 6-bit sc and m) or int8 (Q6_K's sc)
+    sup: np.ndarray  # [N, G / P] float16: d (or dmin) of each super-block of P = 256 / g groups
+
+    @property
+    def per(self) -> int:
+        return self.sub.shape[1] // self.sup.shape[1]
+
+    def values(self) -> np.ndarray:  # [N, G] float32
+        return np.repeat(self.sup.astype(np.float32), self.per, axis=1) * self.sub.astype(np.float32)
+
+    def rows(self, idx: np.ndarray) -> Factored:
+        return Factored(self.sub[idx], self.sup[idx])
+
+    def padded(self, pad: int) -> Factored:  # pad rows of zeros (value 0)
+        return Factored(np.concatenate([self.sub, np.zeros((pad, self.sub.shape[1]), self.sub.dtype)]),
+                        np.concatenate([self.sup, np.zeros((pad, self.sup.shape[1]), self.sup.dtype)]))
+
+
+Groups = np.ndarray | Factored  # per-group scales or offsets: float32 values, or a K-quant's two levels
+
+
+@overload
+def values_of(v: Groups) -> np.ndarray: ...
+@overload
+def values_of(v: None) -> None: ...
+@overload
+def values_of(v: Groups | None) -> np.ndarray | None: ...
+def values_of(v: Groups | None) -> np.ndarray | None:
+    """Per-group values as float32 ``# [N, G]`` (None stays None)."""
+    return v.values() if isinstance(v, Factored) else v
+
+
 def decode(raw: np.ndarray, type_name: str, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, Format]:
     """``raw`` ``# [N, row_bytes] uint8`` rows of a GGUF tensor of ``type_name`` with ``k`` columns ->
-    (codes ``# [N, K] uint8``, scales ``# [N, K / g]``, offsets or None, format)."""
+    (codes ``# [N, K] uint8``, scales ``# [N, K / g]`` float32, offsets or None, format)."""
+    codes, scales, offsets, fmt = decode_factored(raw, type_name, k)
+    return codes, values_of(scales), values_of(offsets), fmt
+
+
+def decode_factored(raw: np.ndarray, type_name: str, k: int) -> tuple[np.ndarray, Groups, Groups | None, Format]:
+    """``decode``, with a K-quant's scales and offsets kept in their two levels (``Factored``), as it packs them."""
     check_type(type_name)
     fmt = FORMATS[type_name]
     qt = T[type_name]
@@ -106,7 +150,8 @@ def decode(raw: np.ndarray, type_name: str, k: int) -> tuple[np.ndarray, np.ndar
         raise UnsupportedQuantError(f"{type_name} rows of {k} weights: {raw.shape[1]} bytes each, where blocks of "
                                     f"{block} weights in {size} bytes need a row length that is a multiple of {block}")
     b = np.ascontiguousarray(raw).reshape(-1, size)  # [n * blocks, size]
-    off = None
+    scale: np.ndarray | tuple  # per block: float32 values, or a K-quant's (d, sub) levels
+    off: np.ndarray | tuple | None = None
     if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         d = _f16(b[:, 0:2])
         pos = 2
@@ -123,8 +168,8 @@ def decode(raw: np.ndarray, type_name: str, k: int) -> tuple[np.ndarray, np.ndar
     elif type_name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
         sc, m = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))  # [nb, 8] each (gguf-py's unpacking)
-        scale = d[:, None] * sc.astype(np.float32)  # [nb, 8], as gguf-py forms it
-        off = dmin[:, None] * m.astype(np.float32)
+        scale = (d, sc.astype(np.uint8))  # d * sc, as gguf-py forms it (Factored.values)
+        off = (dmin, m.astype(np.uint8))
         qs = b[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         q = (qs & 15).reshape(-1, 8, 32)
         if type_name == "Q5_K":
@@ -133,15 +178,22 @@ def decode(raw: np.ndarray, type_name: str, k: int) -> tuple[np.ndarray, np.ndar
     else:  # Q6_K
         ql, qh, sc = b[:, 0:128], b[:, 128:192], b[:, 192:208].view(np.int8)
         d = _f16(b[:, 208:210])
-        scale = d[:, None] * sc.astype(np.float32)  # [nb, 16]
+        scale = (d, sc.copy())  # d * sc: [nb, 16]
         lo = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
         hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
         q = (lo.reshape(-1, 8, 32) | (hi.reshape(-1, 8, 32) << 4)) + np.uint8(96)  # (q6 - 32) + 128
     groups = k // fmt.group
     codes = np.ascontiguousarray(q, dtype=np.uint8).reshape(n, k)
-    scales = np.ascontiguousarray(scale, dtype=np.float32).reshape(n, groups)
-    offsets = None if off is None else np.ascontiguousarray(off, dtype=np.float32).reshape(n, groups)
-    return codes, scales, offsets, fmt
+
+    def per_row(v: np.ndarray | tuple | None) -> Groups | None:
+        if isinstance(v, tuple):  # (d [nb] float32 from float16, sub [nb, P]): one super-block each
+            d, sub = v
+            return Factored(np.ascontiguousarray(sub).reshape(n, groups), d.astype(np.float16).reshape(n, -1))
+        return None if v is None else np.ascontiguousarray(v, dtype=np.float32).reshape(n, groups)
+
+    scales = per_row(scale)
+    assert scales is not None
+    return codes, scales, per_row(off), fmt
 
 
 def reference_values(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, fmt: Format) -> np.ndarray:

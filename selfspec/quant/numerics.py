@@ -26,6 +26,7 @@ class Numerics:
     rows_independent: bool  # a row's result never depends on the rows computed with it, at any row count
     trees: bool  # a token tree's rows (SDPA under a mask) are bitwise single steps' under this numerics
     screen: bool  # the LM head's int8 screen may pick a greedy verdict (it bounds the gap to this mode's logits)
+    arithmetic: str  # what a product is, in words (printed at load: ``SelfSpec.describe``)
 
     @property
     def suffix(self) -> str:
@@ -35,10 +36,10 @@ class Numerics:
 
 NUMERICS: dict[str, Numerics] = {
     "exact": Numerics("exact", "qlinear", 0, exact=True, panels=True, rows_independent=False, trees=True,
-                      screen=True),
+                      screen=True, arithmetic="float32 activations times the dequantized weights, float32 FMA sums"),
     # llama.cpp's numerics: activations rounded to 8 bits per block, integer dot products (docs/QUANTIZED.md)
     "int8": Numerics("int8", "qlinear_i8", 1, exact=False, panels=False, rows_independent=True, trees=False,
-                     screen=False),
+                     screen=False, arithmetic="activations rounded to 8 bits per block, integer dot products"),
 }
 
 

@@ -35,8 +35,8 @@ def error_table(w: QuantWeight) -> torch.Tensor:  # -> [N / 16, G] float32
     nb, groups = w.codes.shape[0], w.codes.shape[1]
     g = fmt.group
     rounding = (k + groups + 8) * 2.0**-24 * 127  # float32 rounding, per unit of |x|'s step (|x| <= 127 step)
-    s = w.scales.float().abs()  # [NB, G, 16]
-    o = w.offsets.float().abs() if w.offsets.numel() else torch.zeros_like(s)
+    s = w.group_values(w.scales).abs()  # [NB, G, 16]
+    o = w.group_values(w.offsets).abs() if w.offsets.numel() else torch.zeros_like(s)
     terms = g * (((1 << fmt.bits) - 1 + abs(fmt.zero)) * s + o)  # >= sum_k |q s| + |z s + o| of a row's group
     l1 = built_extension().qgroup_l1(*w.kernel_args(), torch.empty(nb, groups, LANES))  # sum |w|
     return (0.5 * (1 + 2.0**-16) * l1 + rounding * terms).amax(-1).contiguous()  # [NB, G, 16] -> [NB, G]

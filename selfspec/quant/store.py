@@ -31,14 +31,15 @@ from selfspec.quant.modules import QuantEmbedding, QuantLinear
 from selfspec.quant.packing import LANES, pack_layout
 from selfspec.quant.weight import QuantWeight
 
-PACK_VERSION = 5  # bump when the packed layout (selfspec/kernels/qcodes.h) or the file's changes: old caches
+PACK_VERSION = 6  # bump when the packed layout (selfspec/kernels/qcodes.h) or the file's changes: old caches
 # are ignored (2: fused runs stored as one tensor; 3: Q6_K's codes as bytes; 4: 5-bit codes as words; 5: the legacy
-# types' scales and offsets as float16)
+# types' scales and offsets as float16; 6: the K-quants' scales and offsets in their GGUF's two levels)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # what FastLayer fuses (selfspec.models.fast)
 
 
 def _version() -> str:
-    """PACK_VERSION and this build's layout of 5-bit codes (``pack_layout``): the packed file's "version"."""
+    """PACK_VERSION and this build's layout of 5-bit codes and K-quant scales (``pack_layout``): the packed file's
+    "version"."""
     return f"{PACK_VERSION}-{pack_layout()}"
 
 

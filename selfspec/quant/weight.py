@@ -5,9 +5,10 @@ and interleaves 16 output rows per block (``selfspec.quant.packing``), so a colu
 of codes:
 
     codes    # [N / 16, G, CB] uint8   (CB bytes per group: nibble pairs, 5-bit words or planes, or bytes)
-    scales   # [N / 16, G, 16] float16 for the legacy types (exact: their d and m are float16 in the GGUF),
-             # float32 for the K-quants (d x a 6-bit sub-scale is not a float16)
-    offsets  # [N / 16, G, 16] typed like scales, or an empty tensor
+    scales   # [N / 16, G, 16] float16 for the legacy types (exact: their d and m are float16 in the GGUF);
+             # the K-quants' two levels as their GGUF stores them, [N / 16, G / P, 16 P + 32] bytes (a sub-scale
+             # byte per group, a float16 d per super-block of P groups; qcodes.h's Sc); float32 otherwise
+    offsets  # in the form of scales, or an empty tensor
 
 Nothing else is kept: no float32 copy of the matrix. ``matmul`` runs the kernel (any number of rows, 16
 at a time), ``rows(ids)`` dequantizes some rows (an embedding lookup, a trimmed LM head), ``dense()``
@@ -19,15 +20,25 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
 
 from selfspec.kernels.build import built_extension, cpu_flags, kernel_source_hash
 from selfspec.paths import atomic_write_text, cache_root
-from selfspec.quant.formats import FORMATS, Format, decode
+from selfspec.quant.formats import FORMATS, Factored, Format, Groups, decode_factored, values_of
 from selfspec.quant.numerics import NUMERICS, Numerics
-from selfspec.quant.packing import LANES, pack_codes, pack_groups, scale_dtype, unpack_words5, words5
+from selfspec.quant.packing import (
+    LANES,
+    factored_k_scales,
+    pack_codes,
+    pack_scales,
+    scale_dtype,
+    unpack_scales,
+    unpack_words5,
+    words5,
+)
 from selfspec.timing import time_call
 
 _NO_BIAS = torch.empty(0)
@@ -72,11 +83,8 @@ def _measured_prefill_path(type_name: str) -> str:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     n, k, rows = PROBE
-    fmt = FORMATS[type_name]
     rng = np.random.default_rng(0)
-    offsets = rng.random((n, k // fmt.group), dtype=np.float32) if fmt.offset else None
-    w = QuantWeight.from_codes(type_name, rng.integers(0, 1 << fmt.bits, (n, k), dtype=np.uint8),
-                               rng.random((n, k // fmt.group), dtype=np.float32), offsets)
+    w = random_weight(type_name, n, k, rng)
     x, out = torch.randn(rows, k), torch.empty(rows, n)
     ways = {"kernel": w._kernel_rows, "panels": w._panels, "torch": w._gemm}
     with torch.inference_mode():
@@ -85,6 +93,34 @@ def _measured_prefill_path(type_name: str) -> str:
     answer = choose_prefill_path(ms)
     atomic_write_text(path, json.dumps({"path": answer, "ms": ms, "type": type_name, "probe": PROBE}))
     return answer
+
+
+def random_weight(type_name: str, n: int, k: int, rng: np.random.Generator) -> QuantWeight:
+    """A packed weight of ``type_name`` with random codes, scales and offsets in the type's packed form."""
+    fmt = FORMATS[type_name]
+    codes = rng.integers(0, 1 << fmt.bits, (n, k), dtype=np.uint8)
+    groups = k // fmt.group
+
+    def scales() -> Groups:
+        if type_name.endswith("_K"):  # two levels, as the GGUF's
+            sub = rng.integers(-32 if type_name == "Q6_K" else 0, 64, (n, groups)).astype(
+                np.int8 if type_name == "Q6_K" else np.uint8)
+            return Factored(sub, rng.random((n, groups * fmt.group // 256), dtype=np.float32).astype(np.float16))
+        return rng.random((n, groups), dtype=np.float32)
+
+    return QuantWeight.from_codes(type_name, codes, scales(), scales() if fmt.offset else None)
+
+
+@overload
+def _padded(v: Groups, pad: int) -> Groups: ...
+@overload
+def _padded(v: None, pad: int) -> None: ...
+def _padded(v: Groups | None, pad: int) -> Groups | None:
+    if v is None:
+        return None
+    if isinstance(v, Factored):
+        return v.padded(pad)
+    return np.concatenate([v, np.zeros((pad, v.shape[1]), dtype=np.float32)])
 
 
 def choose_prefill_path(ms: dict[str, float]) -> str:
@@ -132,26 +168,32 @@ class QuantWeight:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray, type_name: str, k: int) -> QuantWeight:
-        """``raw`` ``# [N, row_bytes] uint8``: a GGUF tensor's rows of ``type_name`` with ``k`` columns."""
-        codes, scales, offsets, fmt = decode(raw, type_name, k)
-        return cls.from_codes(type_name, codes, scales, offsets)
+    def from_gguf(cls, raw: np.ndarray, type_name: str, k: int, factored: bool | None = None) -> QuantWeight:
+        """``raw`` ``# [N, row_bytes] uint8``: a GGUF tensor's rows of ``type_name`` with ``k`` columns
+        (``factored``: as in ``from_codes``)."""
+        codes, scales, offsets, fmt = decode_factored(raw, type_name, k)
+        return cls.from_codes(type_name, codes, scales, offsets, factored)
 
     @classmethod
-    def from_codes(cls, type_name: str, codes: np.ndarray, scales: np.ndarray,
-                   offsets: np.ndarray | None) -> QuantWeight:
+    def from_codes(cls, type_name: str, codes: np.ndarray, scales: Groups, offsets: Groups | None,
+                   factored: bool | None = None) -> QuantWeight:
+        """Pack codes ``# [N, K]`` with their per-group scales and offsets ``# [N, G]`` (float32 values, or a
+        K-quant's ``Factored`` two levels). ``factored``: whether two levels stay two levels (near the GGUF's size)
+        or become float32 values; None: this build's choice (``factored_k_scales``)."""
+        if factored is None:
+            factored = factored_k_scales()
+        if not factored:
+            scales, offsets = values_of(scales), values_of(offsets)
         fmt = FORMATS[type_name]
         n, k = codes.shape
         pad = -n % LANES
         if pad:  # padding rows: code z, scale 0 -> weight 0 (never written out)
             codes = np.concatenate([codes, np.full((pad, k), fmt.zero, dtype=np.uint8)])
-            scales = np.concatenate([scales, np.zeros((pad, scales.shape[1]), dtype=np.float32)])
-            if offsets is not None:
-                offsets = np.concatenate([offsets, np.zeros((pad, offsets.shape[1]), dtype=np.float32)])
-        dtype = scale_dtype(type_name, scales, offsets)
+            scales, offsets = _padded(scales, pad), _padded(offsets, pad)
+        dtype = scale_dtype(type_name, values_of(scales), values_of(offsets))
         return cls(
-            type_name, (n, k), torch.from_numpy(pack_codes(codes, fmt)), torch.from_numpy(pack_groups(scales).astype(dtype, copy=False)),
-            torch.from_numpy(pack_groups(offsets).astype(dtype, copy=False)) if offsets is not None else torch.empty(0),
+            type_name, (n, k), torch.from_numpy(pack_codes(codes, fmt)), torch.from_numpy(pack_scales(scales, dtype)),
+            torch.from_numpy(pack_scales(offsets, dtype)) if offsets is not None else torch.empty(0),
         )
 
     def kernel_args(self) -> tuple:
@@ -210,6 +252,12 @@ class QuantWeight:
                 out[:, n0:n1] = y
         return out
 
+    def group_values(self, t: torch.Tensor) -> torch.Tensor:
+        """Packed scales or offsets ``t`` as float32 values ``# [N / 16, G, 16]``, whatever their form."""
+        v = values_of(unpack_scales(t.numpy()))  # [N_pad, G]
+        assert v is not None
+        return torch.from_numpy(np.ascontiguousarray(v.reshape(-1, LANES, v.shape[1]).transpose(0, 2, 1)))
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` ``# [R]`` dequantized: ``# [R, K]`` float32, bit for bit gguf-py's values."""
         if ids.dim() != 1 or ids.dtype != torch.long or not ids.is_contiguous():  # a step's ids: no op to make
@@ -244,11 +292,13 @@ class QuantWeight:
     def unpacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(codes ``# [N, K]``, scales, offsets) as ``formats.decode`` gave them."""
         n, k = self.shape
-        nb, groups = self.codes.shape[0], self.codes.shape[1]
+        nb = self.codes.shape[0]
         codes = self._block_codes(self.codes.numpy()).transpose(0, 3, 1, 2).reshape(nb * LANES, k)[:n]
 
         def groups_of(t: torch.Tensor) -> np.ndarray:  # float32, as decode gives them (float16 widens exactly)
-            return t.numpy().transpose(0, 2, 1).reshape(nb * LANES, groups)[:n].astype(np.float32)
+            v = values_of(unpack_scales(t.numpy()))
+            assert v is not None
+            return v[:n]
 
         return codes, groups_of(self.scales), groups_of(self.offsets) if self.offsets.numel() else None
 
@@ -264,11 +314,15 @@ class QuantWeight:
         q = self._block_codes(self.codes.numpy()[blocks])  # [B, G, g, 16]
         codes = q[where, :, :, lane].reshape(len(idx), self.shape[1])  # [R, G, g] -> [R, K]
 
-        def rows_of(t: torch.Tensor) -> np.ndarray:  # [NB, G, 16] -> [R, G] float32 (float16 widens exactly)
-            return t.numpy()[blocks][where, :, lane].astype(np.float32)
+        def rows_of(t: torch.Tensor) -> Groups:  # the blocks' scales -> [R, G] (float16 widens exactly)
+            v = unpack_scales(t.numpy()[blocks])  # [B * 16, G]
+            r = where * LANES + lane
+            return v.rows(r) if isinstance(v, Factored) else v[r]
 
-        out = QuantWeight.from_codes(self.type_name, codes, rows_of(self.scales),
-                                     rows_of(self.offsets) if self.offsets.numel() else None)
+        sub_scales = rows_of(self.scales)
+        out = QuantWeight.from_codes(self.type_name, codes, sub_scales,
+                                     rows_of(self.offsets) if self.offsets.numel() else None,
+                                     factored=isinstance(sub_scales, Factored))  # the form this weight has
         out.numerics = self.numerics
         return out
 

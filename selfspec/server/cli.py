@@ -10,6 +10,7 @@ from selfspec.api import SelfSpec
 from selfspec.batch.scheduler import BatchConfig
 from selfspec.cli_options import add_command, config_from_args
 from selfspec.config import DraftConfig, ModelConfig, PipelineConfig
+from selfspec.progress import announce
 from selfspec.server.config import ServeConfig
 
 
@@ -25,6 +26,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     model_cfg = config_from_args(args, ModelConfig)
     ss = SelfSpec.load(model_cfg, config_from_args(args, DraftConfig))
+    announce(ss.describe())
     if cfg.pipeline:
         ss.use_pipeline(PipelineConfig(mode=cfg.pipeline, transport=cfg.pipeline_transport), model_cfg)
     try:
