@@ -22,11 +22,13 @@ from selfspec.config import DraftConfig, GenerateConfig, ModelConfig, PipelineCo
 from selfspec.demo import add_parser as add_demo
 from selfspec.engine import validate_request
 from selfspec.errors import SelfSpecError
+from selfspec.progress import announce
 from selfspec.server.cli import add_parser as add_serve
 from selfspec.train.answers import add_parser as add_answer_prompts
 from selfspec.train.cli import add_parsers as add_train_and_eval_draft
 from selfspec.train.deep import add_parser as add_train_deep
 from selfspec.train.features import add_parser as add_collect_features
+from selfspec.train.make_prompts import add_parser as add_make_prompts
 from selfspec.train.nested import add_parser as add_train_nested
 from selfspec.train.predictors import add_parser as add_train_predictors
 from selfspec.train.recipe import add_parser as add_train_recipe
@@ -47,6 +49,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = config_from_args(args, GenerateConfig)
     validate_request(1, gen, sys.maxsize)  # bad settings fail before the model loads; the prompt's checks come later
     ss = SelfSpec.load(config_from_args(args, ModelConfig), config_from_args(args, DraftConfig))
+    if not args.quiet:
+        announce(ss.describe())
     chat = args.chat and ss.has_chat_template
     if args.chat and not chat:
         print(f"selfspec: note: '{ss.model_id}' has no chat template, sending the prompt as plain text",
@@ -98,6 +102,7 @@ def add_generate(sub: Any) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     draft = DraftConfig(head=args.head, exit_layer=args.exit_layer, tune="refresh" if args.refresh else "auto")
     ss = SelfSpec.load(config_from_args(args, ModelConfig), draft)
+    announce(ss.describe())
     t = ss.tuning_result
     print(json.dumps(t.to_dict(), indent=1) if args.json else format_tuning(t))
     print(f"\ncache: {cache_path(t.key)}")
@@ -129,6 +134,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     add_bench_pipeline,  # bench-pipeline (selfspec/bench/pipeline.py)
     add_train_and_eval_draft,  # train, eval-draft (selfspec/train/cli.py)
     add_sweep_exit,  # sweep-exit (selfspec/train/sweep.py)
+    add_make_prompts,  # make-prompts: prompts of Spec-Bench's kinds from ShareGPT (selfspec/train/make_prompts.py)
     add_answer_prompts,  # answer-prompts (selfspec/train/answers.py)
     add_build_store,  # build-store: a token store for lookup drafts (selfspec/train/store.py)
     add_collect_features,  # collect-features (selfspec/train/features.py)

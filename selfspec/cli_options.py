@@ -145,12 +145,13 @@ def _option_type(parse: Callable[[str], Any], type_name: str) -> Callable[[str],
 
 
 def add_command(sub: Any, name: str, configs: tuple[type, ...], func: Callable[[argparse.Namespace], int],
-                help: str) -> argparse.ArgumentParser:
+                help: str, skip: dict[type, tuple[str, ...]] | None = None) -> argparse.ArgumentParser:
     """The subcommand ``name`` on ``sub`` (the CLI's subparsers): one option per field of each dataclass in
-    ``configs`` (``add_config_args``, in that order), run by ``func``; returns its parser for any further options."""
+    ``configs`` (``add_config_args``, in that order), run by ``func``; returns its parser for any further options.
+    ``skip``: fields of a config left out (they keep their defaults), e.g. where two configs name a field alike."""
     p = sub.add_parser(name, help=help)
     for cls in configs:
-        add_config_args(p, cls)
+        add_config_args(p, cls, (skip or {}).get(cls, ()))
     p.set_defaults(func=func)
     return p
 

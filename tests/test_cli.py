@@ -22,7 +22,7 @@ from selfspec.train.sweep import SweepConfig
 
 COMMAND_NAMES = ["generate", "demo", "bench-quick", "bench-forward", "bench-rounds", "bench", "bench-batch",
                  "bench-pipeline",
-                 "train", "eval-draft", "sweep-exit", "answer-prompts", "build-store", "collect-features", "train-deep",
+                 "train", "eval-draft", "sweep-exit", "make-prompts", "answer-prompts", "build-store", "collect-features", "train-deep",
                  "train-recipe",
                  "train-nested", "train-predictors", "tune", "serve"]
 

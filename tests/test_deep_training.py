@@ -413,3 +413,74 @@ def test_train_recipe_on_other_architectures_quantized(sharegpt_file, tmp_path, 
         assert out.token_ids == hf_greedy(ss.model, prompt, 16, eos=ss.eos_token_ids), (arch, text)
         assert sum(out.stats.proposed_per_position) > 0  # the head drafted and was verified
 
+
+
+class _ToyHead(torch.nn.Module):
+    """The DeepFeatures protocol in two linears: f = A h + B ctx (enough to see which context a pass reads)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        from selfspec.heads.kangaroo import RMSNorm
+
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(hidden, hidden, generator=g) * 0.3)
+        self.b = torch.nn.Parameter(torch.randn(hidden, hidden, generator=g) * 0.3)
+        self.norm_out = RMSNorm(hidden, 1e-6)
+
+    def features(self, h, context, positions):
+        return h @ self.a.T + context @ self.b.T
+
+
+def test_a_rollout_of_three_passes_reads_each_pass_from_the_one_before():
+    """Training-time test: pass j's context at position t is pass j - 1's features at t - 1 (the first position keeps
+    the true state), and each unrolled pass adds unroll_weight times its CE."""
+    import torch.nn.functional as F
+
+    from selfspec.train.deep import deep_loss
+
+    torch.manual_seed(0)
+    B, T, H, V = 2, 7, 8, 11
+    head, lm = _ToyHead(H), torch.randn(V, H)
+    h, final = torch.randn(B, T, H), torch.randn(B, T, H)
+    ctx = torch.cat([torch.randn(B, 1, H), final[:, :-1]], dim=1)
+    labels = torch.randint(0, V, (B, T))
+    labels[0, -1] = -100
+    batch = {"h": h, "ctx": ctx, "final": final, "labels": labels}
+    cfg = DeepTrainConfig(unroll_weight=0.5, reg_weight=0.0)
+    valid = labels >= 0
+
+    def ce(f):
+        return F.cross_entropy(head.norm_out(f)[valid] @ lm.T, labels[valid])
+
+    def shifted(f):
+        return torch.cat([ctx[:, :1], f[:, :-1]], dim=1)
+
+    f1 = head.features(h, ctx, None)
+    f2 = head.features(h, shifted(f1), None)
+    f3 = head.features(h, shifted(f2), None)
+    one, m1 = deep_loss(head, lm, batch, replace(cfg, rollout=1))
+    two, m2 = deep_loss(head, lm, batch, cfg)  # the default: one unrolled pass
+    three, m3 = deep_loss(head, lm, batch, replace(cfg, rollout=3))
+    torch.testing.assert_close(one, ce(f1))
+    torch.testing.assert_close(two, ce(f1) + 0.5 * ce(f2))
+    torch.testing.assert_close(three, ce(f1) + 0.5 * ce(f2) + 0.5 * ce(f3))
+    assert "top1_unrolled" not in m1 and "top1_pass3" not in m2 and {"top1_unrolled", "top1_pass3"} <= set(m3)
+    three.backward()  # gradients flow through the unrolled passes to both linears
+    assert head.a.grad is not None and head.b.grad.abs().sum() > 0
+    with pytest.raises(InvalidConfigError, match="rollout must be >= 1"):
+        DeepTrainConfig(rollout=0)
+
+
+def test_a_cuda_device_is_checked_and_a_cpu_run_moves_nothing(monkeypatch):
+    from selfspec.train.deep import to_device
+    from selfspec.train.loop import training_device
+
+    with pytest.raises(InvalidConfigError, match="device must be 'cpu' or 'cuda'"):
+        DeepTrainConfig(device="tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(InvalidConfigError, match="no CUDA device"):
+        training_device(DeepTrainConfig(device="cuda"))
+    assert training_device(DeepTrainConfig()) == torch.device("cpu")
+    batch = {"h": torch.zeros(1, 2, 3)}
+    assert to_device(batch, torch.device("cpu")) is batch
+    assert autocast_dtype("auto", "cuda") == torch.bfloat16 and autocast_dtype("float32", "cuda") is None

@@ -54,7 +54,7 @@ def answer_prompts(ss: Any, cfg: AnswerConfig) -> dict[str, Any]:
     done = list(iter_records(out)) if out.is_file() else []
     seen = {r["id"] for r in done}
     todo: list[tuple[str, str]] = []  # (conversation id, prompt): read first, so a missing source writes nothing
-    for cid, msgs in cfg.conversations(max_turns=2):
+    for cid, msgs in cfg.conversations(max_turns=2, min_turns=1):  # a prompt alone (make-prompts) is answered too
         if cfg.max_conversations and len(done) + len(todo) >= cfg.max_conversations:
             break
         if cid not in seen:

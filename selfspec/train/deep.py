@@ -4,13 +4,14 @@ Input: feature shards from ``selfspec collect-features`` (the target teacher-for
 exit states h_k, final states f and the target's own argmax label per token. The target stays frozen
 and nothing of it runs here, so training costs only the head:
 
-    pass 1  f^1 = head(h_k(t), f(t - 1))      true previous final states: the first draft position
-    pass 2  f^2 = head(h_k(t), f^1(t - 1))    the head's own predictions: later draft positions
-    loss = CE(pass 1) + unroll_weight * CE(pass 2) + reg_weight * MSE(rms(f^1), rms(f))
+    pass 1  f^1 = head(h_k(t), f(t - 1))          true previous final states: the first draft position
+    pass j  f^j = head(h_k(t), f^(j-1)(t - 1))    the head's own predictions: draft position j (j <= rollout)
+    loss = CE(pass 1) + unroll_weight * sum_j CE(pass j) + reg_weight * MSE(rms(f^1), rms(f))
 
 with the CE over the draft's trimmed vocabulary (VocabTrim: the most frequent labels) against the
-target's argmax. Pass 2 trains the head on its own predicted features, which is what it reads from
-the second draft token on. Resumable (checkpoint + fixed batch order), time-boxed (``minutes``).
+target's argmax. Passes 2 .. rollout (EAGLE-3's training-time test) train the head on its own predicted
+features, which is what it reads from the second draft token on: pass j at position t has read its own outputs at
+t - j + 1 .. t - 1, as the j-th token of a draft does. Resumable (checkpoint + fixed batch order), time-boxed (``minutes``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from selfspec.models.split import SplitModel
 from selfspec.train.cli import load_target
 from selfspec.train.deep_config import DeepTrainConfig
 from selfspec.train.features import FeatureSet, load_exit_features
-from selfspec.train.loop import autocast_dtype, batches, resume, train_steps
+from selfspec.train.loop import autocast_dtype, batches, resume, train_steps, training_device
 
 
 def _collate(fs: FeatureSet, idx: list[int], k: int, label_map: torch.Tensor | None,
@@ -97,13 +98,18 @@ def deep_loss(head: DeepFeatures, lm_rows: torch.Tensor, batch: dict[str, torch.
     reg = F.mse_loss(_rms(f1.float()), _rms(final))
     loss, m = classify(logits1, ce1) + cfg.reg_weight * reg, {}
     m["top1"] = float((logits1.argmax(-1) == labels[valid]).float().mean())
-    if cfg.unroll_weight > 0:
-        ctx2 = torch.cat([ctx[:, :1, : f1.shape[-1]], f1[:, :-1]], dim=1)  # draft positions: f^ only
-        logits2 = (head.norm_out(head.features(h, ctx2, pos))[valid] @ lm_rows.T).float()
-        ce2 = F.cross_entropy(logits2, labels[valid])
-        loss = loss + cfg.unroll_weight * classify(logits2, ce2)
-        m["top1_unrolled"] = float((logits2.argmax(-1) == labels[valid]).float().mean())
-        m["ce2"] = float(ce2.detach())
+    f_prev = f1
+    for j in range(2, cfg.rollout + 1 if cfg.unroll_weight > 0 else 2):
+        ctx_j = torch.cat([ctx[:, :1, : f_prev.shape[-1]], f_prev[:, :-1]], dim=1)  # draft positions: f^ only
+        f_prev = head.features(h, ctx_j, pos)
+        logits_j = (head.norm_out(f_prev)[valid] @ lm_rows.T).float()
+        ce_j = F.cross_entropy(logits_j, labels[valid])
+        loss = loss + cfg.unroll_weight * classify(logits_j, ce_j)
+        top1 = float((logits_j.argmax(-1) == labels[valid]).float().mean())
+        if j == 2:
+            m["top1_unrolled"], m["ce2"] = top1, float(ce_j.detach())
+        else:
+            m[f"top1_pass{j}"] = top1
     m.update(ce=float(ce1.detach()), reg=float(reg.detach()), tokens=int(valid.sum()))
     return loss, m
 
@@ -112,7 +118,8 @@ def deep_loss(head: DeepFeatures, lm_rows: torch.Tensor, batch: dict[str, torch.
 def evaluate_deep(head: DeepFeatures, lm_rows: torch.Tensor, fs: FeatureSet, cfg: DeepTrainConfig,
                   label_map: torch.Tensor | None) -> dict[str, float]:
     """Held-out top-1 agreement with the target's next token: pass 1 (first draft position, true
-    previous final state) and pass 2 (reading the head's own prediction), token-weighted. Labels outside
+    previous final state), pass 2 (reading the head's own prediction: top1_unrolled) and passes 3 .. rollout
+    (top1_pass<j>), token-weighted. Labels outside
     the draft vocabulary count as misses."""
     head.eval()
     tot: dict[str, float] = {}
@@ -124,20 +131,25 @@ def evaluate_deep(head: DeepFeatures, lm_rows: torch.Tensor, fs: FeatureSet, cfg
         valid = full >= 0
         if label_map is not None:
             batch["labels"] = torch.where(valid, label_map[full.clamp_min(0)], full)
-        _, m = deep_loss(head, lm_rows, batch, cfg)
+        _, m = deep_loss(head, lm_rows, to_device(batch, lm_rows.device), cfg)
         kept = int((batch["labels"] >= 0).sum())
-        for key in ("top1", "top1_unrolled", "ce", "reg"):
+        for key in ("top1", "top1_unrolled", *(f"top1_pass{j}" for j in range(3, cfg.rollout + 1)), "ce", "reg"):
             if key in m:
                 tot[key] = tot.get(key, 0.0) + m[key] * kept
         tot["kept"] = tot.get("kept", 0.0) + kept
         n += int(valid.sum())
     out = {k: v / max(tot["kept"], 1) for k, v in tot.items() if k != "kept"}
     share = tot["kept"] / max(n, 1)  # agreement among kept labels times the share the vocabulary holds
-    for key in ("top1", "top1_unrolled"):
-        if key in out:
+    for key in out:
+        if key.startswith("top1"):
             out[key] *= share
     head.train()
     return out | {"tokens": n, "label_in_vocab": share}
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A collated batch on the training device (a no-op on the CPU)."""
+    return batch if device.type == "cpu" else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _context_layers(cfg: DeepTrainConfig) -> list[int]:
@@ -180,6 +192,7 @@ def target_probs(split: SplitModel, final: torch.Tensor, lm_rows: torch.Tensor) 
 
 
 def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContextHead, dict[str, Any]]:
+    device = training_device(cfg)
     key, context_layers = f"h{cfg.exit_layer}", _context_layers(cfg)
     extra = [f"h{c}" for c in context_layers]
     train = load_exit_features(cfg.features, cfg.exit_layer, split, cfg.max_tokens, extra)
@@ -207,13 +220,14 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
         with torch.no_grad():
             head.fuse.weight.zero_()
             head.fuse.weight[:, : fuse.shape[1]].copy_(fuse[:, : head.fuse.weight.shape[1]])
-    head.float().train().requires_grad_(True)
+    head.float().to(device).train().requires_grad_(True)
     vocab_ids, label_map = None, None
     if cfg.vocab_trim > 0:
         vocab_ids = label_order(train.tensors["label"], split.vocab_size)[: cfg.vocab_trim]
         label_map = vocab_label_map(vocab_ids, split.vocab_size)
     # only the kept rows (a quantized LM head dequantizes just those)
     lm_rows = split.lm_rows(vocab_ids) if vocab_ids is not None else split.lm_head.weight.detach().float()
+    lm_cpu, lm_rows = lm_rows, lm_rows.to(device)  # the target's (CPU) final norm forms the soft labels
     ckpt = out.with_name(out.name + ".checkpoint.pt")  # beside the head: saving the head replaces its directory
     step, history = resume(head, ckpt, cfg)
     before = ({d: evaluate_deep(head, lm_rows, fs, cfg, label_map) for d, fs in held_sets.items()}
@@ -222,17 +236,18 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
     def step_loss(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         batch = _collate(train, idx, cfg.exit_layer, label_map, cfg.assistant_only, context_layers)
         if cfg.soft_weight > 0:
-            batch["soft"] = target_probs(split, batch["final"][batch["labels"] >= 0], lm_rows)
-        return deep_loss(head, lm_rows, batch, cfg)
+            batch["soft"] = target_probs(split, batch["final"][batch["labels"] >= 0], lm_cpu)
+        return deep_loss(head, lm_rows, to_device(batch, device), cfg)
 
     step, history, t0, total, schedule = train_steps(head, train, cfg, ckpt, step, history, step_loss,
                                            f"train deep head @ layer {cfg.exit_layer}")
     trained = time.perf_counter() - t0  # the whole run's training clock (a resumed run's includes the killed one's)
     head.eval().requires_grad_(False)
     after = {d: evaluate_deep(head, lm_rows, fs, cfg, label_map) for d, fs in held_sets.items()}
+    head.cpu()  # the saved head is a CPU head whichever device trained it
     first = next(iter(held_sets), "")  # heldout_before / _after: the first set ("": none); heldout_sets: every one
     report = {"config": asdict(cfg), "steps": step, "total_steps": total, "schedule_steps": schedule,
-              "autocast": str(autocast_dtype(cfg.precision) or "none"), "train_tokens": train.num_tokens,
+              "autocast": str(autocast_dtype(cfg.precision, device.type) or "none"), "device": str(device), "train_tokens": train.num_tokens,
               "train_conversations": len(train), "heldout_before": before.get(first), "heldout_after": after.get(first),
               "heldout_sets": {d: {"before": before.get(d), "after": after[d]} for d in held_sets},
               "seconds": round(trained, 3), "eval_seconds": round(time.perf_counter() - t0 - trained, 3)}
@@ -242,7 +257,8 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
 
 def add_parser(sub: Any) -> None:
     add_command(sub, "train-deep", (ModelConfig, DeepTrainConfig), cmd_train_deep,
-                "Train a deep-context head from stored target features.")
+                "Train a deep-context head from stored target features.",
+                skip={ModelConfig: ("device",)})  # --device is where the head trains; the target stays on the CPU
 
 
 def cmd_train_deep(args: Any) -> int:

@@ -26,7 +26,11 @@ class DeepTrainConfig:
     lr: float = opt(2e-3, "Peak learning rate (AdamW, warm-up then cosine decay).")
     warmup: int = opt(30, "Warm-up steps.")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
-    unroll_weight: float = opt(0.5, "Weight of pass 2's CE (the head reading its own predicted features).")
+    unroll_weight: float = opt(0.5, "Weight of each unrolled pass's CE (passes 2 .. rollout: the head reading its own "
+                               "predicted features).")
+    rollout: int = opt(2, "Passes of the training-time test (EAGLE-3's): pass 1 reads the true previous final states, "
+                       "pass j the head's own features of pass j - 1, as the j-th draft position does (1: no unrolled "
+                       "pass; SpecForge trains with 7).")
     reg_weight: float = opt(1.0, "Weight of the feature regression MSE(rms(f^), rms(f)).")
     soft_weight: float = opt(0.0, "Weight of the soft labels in the classification loss: cross-entropy against the target's own "
                              "distribution over the draft vocabulary (from the stored final states, EAGLE's p), the hard "
@@ -49,9 +53,16 @@ class DeepTrainConfig:
                          choices=list(PRECISIONS))
     fit_schedule: bool = opt(True, "With --minutes: the cosine learning-rate schedule ends when the time box does (its "
                              "length in steps refitted every step from the pace so far) instead of being cut off partway through --epochs.")
+    device: str = opt("cpu", "Where the head trains: 'cpu', or 'cuda' (an accelerator: the head, its LM rows and each "
+                      "batch there, bfloat16 autocast under precision 'auto'; the target and its features stay on the "
+                      "CPU, and the saved head is the same either way).")
     checkpoint_every: int = opt(100, "Write a checkpoint every this many steps.")
     resume: bool = opt(True, "Continue from <out>.checkpoint.pt when it exists.")
 
     def __post_init__(self) -> None:
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise InvalidConfigError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got '{self.device}'")
+        if self.rollout < 1:
+            raise InvalidConfigError(f"rollout must be >= 1 (pass 1 is the first draft position), got {self.rollout}")
         if not 0.0 <= self.soft_weight <= 1.0:
             raise InvalidConfigError(f"soft_weight must be in [0, 1] (the soft labels' share of the loss), got {self.soft_weight}")

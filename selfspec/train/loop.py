@@ -39,11 +39,20 @@ def batches(fs: FeatureSet, batch_tokens: int, seed: int, epoch: int) -> list[li
     return out
 
 
+def training_device(cfg: DeepTrainConfig) -> torch.device:
+    """``cfg.device`` as a torch device; 'cuda' where torch sees none is an error naming the fix."""
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidConfigError("device 'cuda': torch sees no CUDA device here (torch.cuda.is_available() is False; "
+                                 "the CPU wheel has no CUDA): train with --device cpu")
+    return device
+
+
 def resume(head: torch.nn.Module, ckpt: Path, cfg: DeepTrainConfig) -> tuple[int, list[dict[str, Any]]]:
     """(step, history) of a killed run's checkpoint, loaded into ``head`` (the optimizer state is loaded by
-    ``train_steps``); (0, []) for a fresh run."""
+    ``train_steps``); (0, []) for a fresh run. A checkpoint written on another device loads onto ``head``'s."""
     if cfg.resume and ckpt.is_file():
-        state = torch.load(ckpt)
+        state = torch.load(ckpt, map_location=next(head.parameters()).device)
         head.load_state_dict(state["head"])
         return state["step"], state["history"]
     return 0, []
@@ -59,11 +68,13 @@ def bf16_native() -> bool:
     return bool(supported is not None and supported() and cpu_info().flags & {"avx512_bf16", "amx_bf16"})
 
 
-def autocast_dtype(precision: str) -> torch.dtype | None:
-    """The autocast dtype of ``DeepTrainConfig.precision`` on this machine (None: float32 throughout)."""
+def autocast_dtype(precision: str, device: str = "cpu") -> torch.dtype | None:
+    """The autocast dtype of ``DeepTrainConfig.precision`` on ``device`` (None: float32 throughout): under 'auto',
+    bfloat16 on a CUDA device and on a CPU that multiplies it natively."""
     if precision not in PRECISIONS:
         raise InvalidConfigError(f"unknown training precision '{precision}' (known: {', '.join(PRECISIONS)})")
-    if precision == "bfloat16" or (precision == "auto" and bf16_native()):
+    native = torch.device(device).type == "cuda" or bf16_native()
+    if precision == "bfloat16" or (precision == "auto" and native):
         return torch.bfloat16
     return None
 
@@ -92,12 +103,13 @@ def train_steps(head: torch.nn.Module, train: FeatureSet, cfg: DeepTrainConfig, 
     last checkpoint, which are done again), not ``minutes`` more. The returned start time is the whole run's."""
     per_epoch = len(batches(train, cfg.batch_tokens, cfg.seed, 0))
     total = max(1, int(per_epoch * cfg.epochs))
-    cast = autocast_dtype(cfg.precision)
+    device = next(head.parameters()).device
+    cast = autocast_dtype(cfg.precision, device.type)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = total  # steps the learning-rate schedule spans
     spent = 0.0  # seconds earlier runs trained (up to their last checkpoint): the time box counts them
     if step > 0:
-        state = torch.load(ckpt)
+        state = torch.load(ckpt, map_location=device)
         opt.load_state_dict(state["opt"])
         schedule = state.get("schedule", total)
         spent = float(state.get("seconds", 0.0))
@@ -115,7 +127,7 @@ def train_steps(head: torch.nn.Module, train: FeatureSet, cfg: DeepTrainConfig, 
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, schedule, cfg.lr, cfg.warmup, floor=0.05)
         # another epoch's order can pack into a batch or two fewer than epoch 0's (whose count sets the schedule)
-        with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
+        with torch.autocast(device.type, dtype=cast or torch.bfloat16, enabled=cast is not None):
             loss, m = step_loss(order[1][within % len(order[1])])
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -97,6 +97,8 @@ def nested_loss(head: NestedDeepHead, lm_rows: torch.Tensor, batches: dict[int, 
 
 def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[NestedDeepHead, dict[str, Any]]:
     depths = parse_depths(cfg.depths)
+    if cfg.device != "cpu":
+        raise InvalidConfigError(f"train-nested trains on the CPU only (device '{cfg.device}'); train-deep takes --device cuda")
     if cfg.exit_layer not in depths:
         raise InvalidConfigError(f"exit_layer {cfg.exit_layer} must be one of the depths {depths}")
     keys = [f"h{d}" for d in depths]
@@ -157,7 +159,8 @@ def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[Nested
 
 def add_parser(sub: Any) -> None:
     add_command(sub, "train-nested", (ModelConfig, NestedTrainConfig), cmd_train_nested,
-                "Sorted training of a nested (multi-depth) exit head from stored features.")
+                "Sorted training of a nested (multi-depth) exit head from stored features.",
+                skip={ModelConfig: ("device",)})  # --device is the training's (the CPU only here)
 
 
 def cmd_train_nested(args: Any) -> int:

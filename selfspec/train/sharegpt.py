@@ -62,8 +62,9 @@ def iter_records(path: str | Path) -> Iterator[dict[str, Any]]:
             yield rec
 
 
-def messages_of(rec: dict[str, Any], max_turns: int = 4) -> list[dict[str, str]]:
-    """Chat messages (user first, roles alternating) from a ShareGPT record; [] when unusable."""
+def messages_of(rec: dict[str, Any], max_turns: int = 4, min_turns: int = 2) -> list[dict[str, str]]:
+    """Chat messages (user first, roles alternating) from a ShareGPT record; [] when unusable or shorter than
+    ``min_turns`` (1: a prompt alone, as ``make-prompts`` writes them)."""
     out: list[dict[str, str]] = []
     for turn in rec.get("conversations", []):
         role, text = ROLES.get(str(turn.get("from", "")).lower()), str(turn.get("value", "")).strip()
@@ -74,7 +75,7 @@ def messages_of(rec: dict[str, Any], max_turns: int = 4) -> list[dict[str, str]]
         out.append({"role": role, "content": text})
         if len(out) >= max_turns:
             break
-    return out if len(out) >= 2 else []
+    return out if len(out) >= max(1, min_turns) else []
 
 
 def _norm(text: str) -> str:
@@ -101,7 +102,8 @@ def is_heldout(conv_id: str, share: float) -> bool:
 
 
 def conversations(source: str = "sharegpt", split: str = "train", heldout: float = 0.02,
-                  exclude: str | Path | None = None, max_turns: int = 4) -> Iterator[tuple[str, list[dict[str, str]]]]:
+                  exclude: str | Path | None = None, max_turns: int = 4,
+                  min_turns: int = 2) -> Iterator[tuple[str, list[dict[str, str]]]]:
     """(id, messages) of one side of the split, in file order, minus Spec-Bench overlaps."""
     if split not in ("train", "heldout"):
         raise InvalidConfigError(f"split must be 'train' or 'heldout', got '{split}'")
@@ -110,7 +112,7 @@ def conversations(source: str = "sharegpt", split: str = "train", heldout: float
         cid = str(rec.get("id", n))
         if is_heldout(cid, heldout) != (split == "heldout"):
             continue
-        msgs = messages_of(rec, max_turns)
+        msgs = messages_of(rec, max_turns, min_turns)
         if msgs and _norm(msgs[0]["content"]) not in bench:
             yield cid, msgs
 
@@ -125,7 +127,7 @@ class ConversationSource:
     exclude: str = opt("", "Spec-Bench question.jsonl: conversations whose first turn matches a question are dropped.")
     skip: int = opt(0, "Skip this many conversations of the split first (e.g. those an earlier run already read).")
 
-    def conversations(self, max_turns: int = 4) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    def conversations(self, max_turns: int = 4, min_turns: int = 2) -> Iterator[tuple[str, list[dict[str, str]]]]:
         """The split's conversations in file order, the first ``skip`` left out."""
-        return islice(conversations(self.source, self.split, self.heldout, self.exclude or None, max_turns), self.skip,
-                      None)
+        return islice(conversations(self.source, self.split, self.heldout, self.exclude or None, max_turns, min_turns),
+                      self.skip, None)
