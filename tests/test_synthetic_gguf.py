@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGUFReader, dequantize
 
-from selfspec import SelfSpec
+from selfspec import DraftConfig, SelfSpec
 from selfspec.bench.synthetic import Shape, more_bits, q4_k_m_type, write_synthetic
 from selfspec.models.loading import default_gguf_path
 from selfspec.quant.packing import factored_k_scales
@@ -30,7 +30,7 @@ def test_a_synthetic_k_quant_gguf_loads_as_its_bytes_say(tmp_path):
     assert [more_bits(i, TINY.layers) for i in range(TINY.layers)] == [False, False, True]
     assert tensors["blk.2.ffn_down.weight"].tensor_type.name == "Q6_K"
     assert tensors["blk.1.ffn_down.weight"].tensor_type.name == "Q4_K"
-    ss = SelfSpec.load(str(path))
+    ss = SelfSpec.load(str(path), DraftConfig(exit_layer=1, head="lm", gamma=2, tune="off"))  # no calibration
     layers = ss.model.model.layers
     for name, module in (("blk.1.ffn_down.weight", layers[1].mlp.down_proj),
                          ("blk.2.ffn_down.weight", layers[2].mlp.down_proj),
