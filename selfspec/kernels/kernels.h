@@ -79,7 +79,7 @@ namespace raw {
 // A packed block-quantized weight (qcodes.h's layout): checked once by qweight (qlinear.cpp).
 struct QWeight {
   const uint8_t* codes;   // [NB, G, group bytes]
-  const void* scales;     // qcodes.h's Sc: [NB, G, 16] float32 or float16, or the K-quants' two-level bytes
+  const void* scales;     // qcodes.h's Scales: [NB, G, 16] float32 or float16, or the K-quants' two-level bytes
   const void* offsets;    // the same form, or nullptr (the type has none)
   int scale_kind;         // qcodes::ScKind of both
   int scale_shift;        // K forms: log2 of the groups per super-block

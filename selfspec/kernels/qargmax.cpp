@@ -107,9 +107,7 @@ int64_t qargmax(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor of
       const int64_t b = blocks[c];
       float res[MCMAX * L];
       const uint8_t* cb = a.codes + b * G * CB;
-      float* buf = a.scales.k() ? block_buffer(G) : nullptr;  // as run: K forms expanded once a block
-      const Sc sb = expand_block(a.scales + b * G * L, G, buf);
-      const Sc ob = OO ? expand_block(a.offsets + b * G * L, G, buf + G * L) : Sc{};
+      const auto [sb, ob] = block_scales(a.scales, a.offsets, b, G);  // as run
       for (int64_t m0 = 0; m0 < M;) {
         const int64_t mc = std::min<int64_t>(M - m0, MCMAX);
         const float* xm = xp + m0 * K;

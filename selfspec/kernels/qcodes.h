@@ -174,11 +174,19 @@ inline Sc expand_block(Scales s, int64_t G, float* out) {
   return {out, false};
 }
 
-// A thread's buffer for expand_block: two blocks' worth (scales and offsets), grown as needed, kept between calls.
-inline float* block_buffer(int64_t G) {
-  thread_local std::vector<float> buf;
-  if ((int64_t)buf.size() < 2 * G * L) buf.resize(2 * G * L);
-  return buf.data();
+// Block b's scales and offsets for the tiles (expand_block); a K form's go into this thread's buffer (two blocks'
+// worth, grown as needed and kept between calls). Offsets without a pointer stay empty.
+struct BlockSc {
+  Sc s, o;
+};
+inline BlockSc block_scales(Scales sc, Scales of, int64_t b, int64_t G) {
+  float* buf = nullptr;
+  if (sc.k()) {
+    thread_local std::vector<float> kept;
+    if ((int64_t)kept.size() < 2 * G * L) kept.resize(2 * G * L);
+    buf = kept.data();
+  }
+  return {expand_block(sc + b * G * L, G, buf), expand_block(of + b * G * L, G, buf ? buf + G * L : nullptr)};
 }
 
 #if defined(__AVX512F__)

@@ -258,9 +258,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales sc, 
   for (int64_t b = 0; b < NB; ++b) {
     float res[MCMAX * L];
     const uint8_t* cb = codes + b * G * CB;
-    float* buf = sc.k() ? block_buffer(G) : nullptr;  // K forms: the block's scales expanded once (expand_block)
-    const Sc sb = expand_block(sc + b * G * L, G, buf);
-    const Sc ob = OFF ? expand_block(of + b * G * L, G, buf + G * L) : Sc{};
+    const auto [sb, ob] = block_scales(sc, of, b, G);  // K forms expanded once a block
     const int64_t rows = std::min<int64_t>(L, N - b * L);
     for (int64_t m0 = 0; m0 < M;) {
       const int64_t left = M - m0;

@@ -286,9 +286,7 @@ void tile_i8_rows(const int8_t* qx, const int8_t* xp, const float* dx, const int
   const float* d = dx + m0 * G;
   const int32_t* sm = sx + m0 * G;
   const uint8_t* cb = codes + b * G * CB;
-  float* buf = sc.k() ? block_buffer(G) : nullptr;  // K forms expanded once per call (expand_block)
-  const Sc sb = expand_block(sc + b * G * L, G, buf);
-  const Sc ob = OFF ? expand_block(of + b * G * L, G, buf + G * L) : Sc{};
+  const auto [sb, ob] = block_scales(sc, of, b, G);  // K forms expanded once a call
   switch (mc) {
     case 1: tile_i8<BITS, OFF, 1>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;
     case 2: tile_i8<BITS, OFF, 2>(q, p, d, sm, K, G, g, cb, sb, ob, z, res); break;

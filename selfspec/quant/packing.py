@@ -2,7 +2,7 @@
 interleaved per block, so a column of the block is one vector of codes, the codes of a group packed as bytes, nibble
 pairs, or (5-bit types) 5-bit words on AVX-512 builds and nibbles plus a bit plane on AVX2 ones (qcodes.h's
 header); scales and offsets per group and row: float16 where they are exact in it, the K-quants' in their GGUF's
-two levels (``pack_factored``, qcodes.h's ``Sc``), else float32.
+two levels (``pack_factored``, qcodes.h's ``Scales``), else float32.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ of codes:
     codes    # [N / 16, G, CB] uint8   (CB bytes per group: nibble pairs, 5-bit words or planes, or bytes)
     scales   # [N / 16, G, 16] float16 for the legacy types (exact: their d and m are float16 in the GGUF);
              # the K-quants' two levels as their GGUF stores them, [N / 16, G / P, 16 P + 32] bytes (a sub-scale
-             # byte per group, a float16 d per super-block of P groups; qcodes.h's Sc); float32 otherwise
+             # byte per group, a float16 d per super-block of P groups; qcodes.h's Scales); float32 otherwise
     offsets  # in the form of scales, or an empty tensor
 
 Nothing else is kept: no float32 copy of the matrix. ``matmul`` runs the kernel (any number of rows, 16
@@ -33,6 +33,7 @@ from selfspec.quant.packing import (
     LANES,
     factored_k_scales,
     pack_codes,
+    pack_groups,
     pack_scales,
     scale_dtype,
     unpack_scales,
@@ -254,9 +255,7 @@ class QuantWeight:
 
     def group_values(self, t: torch.Tensor) -> torch.Tensor:
         """Packed scales or offsets ``t`` as float32 values ``# [N / 16, G, 16]``, whatever their form."""
-        v = values_of(unpack_scales(t.numpy()))  # [N_pad, G]
-        assert v is not None
-        return torch.from_numpy(np.ascontiguousarray(v.reshape(-1, LANES, v.shape[1]).transpose(0, 2, 1)))
+        return torch.from_numpy(pack_groups(values_of(unpack_scales(t.numpy()))))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` ``# [R]`` dequantized: ``# [R, K]`` float32, bit for bit gguf-py's values."""
@@ -296,9 +295,7 @@ class QuantWeight:
         codes = self._block_codes(self.codes.numpy()).transpose(0, 3, 1, 2).reshape(nb * LANES, k)[:n]
 
         def groups_of(t: torch.Tensor) -> np.ndarray:  # float32, as decode gives them (float16 widens exactly)
-            v = values_of(unpack_scales(t.numpy()))
-            assert v is not None
-            return v[:n]
+            return values_of(unpack_scales(t.numpy()))[:n]
 
         return codes, groups_of(self.scales), groups_of(self.offsets) if self.offsets.numel() else None
 

@@ -274,9 +274,8 @@ MAKERS = {"chat": _chat, "translation": _translation, "summarization": _summariz
 def side_id(cid: str, kind: str, share: float, heldout: bool) -> str:
     """An id for a prompt made from conversation ``cid`` that falls on the held-out side of the split (``heldout``)
     or the training side, as the conversations it was made from do."""
-    side = heldout
     j = 0
-    while is_heldout(f"{cid}/{kind}{j}", share) != side:
+    while is_heldout(f"{cid}/{kind}{j}", share) != heldout:
         j += 1
     return f"{cid}/{kind}{j}"
 
