@@ -201,6 +201,11 @@ def test_soft_labels_are_the_targets_distribution_and_train_a_head(sharegpt_file
     with torch.inference_mode():
         full = ss.split.logits(final[None])[0].softmax(-1)[:, rows]
     torch.testing.assert_close(target_probs(ss.split, final, ss.split.lm_rows(rows)), full / full.sum(-1, keepdim=True))
+    top2 = target_probs(ss.split, final, ss.split.lm_rows(rows), top_k=2)  # --soft-top-k 2: HASS's top-K
+    kept = full.topk(2, dim=-1).indices
+    assert ((top2 > 0).sum(-1) == 2).all() and torch.equal(top2.topk(2, dim=-1).indices.sort().values, kept.sort().values)
+    want = torch.zeros_like(full).scatter_(-1, kept, full.gather(-1, kept))
+    torch.testing.assert_close(top2, want / want.sum(-1, keepdim=True))
     cfg = DeepTrainConfig(features=feats.out, heldout_features=feats.out, exit_layer=2, out=str(tmp_path / "s"),
                           epochs=6, batch_tokens=400, lr=5e-3, warmup=2, vocab_trim=40, soft_weight=1.0)
     _, report = train_deep_head(ss.split, cfg)
@@ -220,6 +225,8 @@ def test_soft_labels_are_the_targets_distribution_and_train_a_head(sharegpt_file
     assert first_loss[0.0] != pytest.approx(first_loss[1.0])  # the same first batch and weights, another loss
     with pytest.raises(InvalidConfigError, match=r"soft_weight must be in \[0, 1\]"):
         train_deep_head(ss.split, replace(cfg, out=str(tmp_path / "bad"), soft_weight=1.5))
+    with pytest.raises(InvalidConfigError, match="soft_top_k must be >= 0"):
+        replace(cfg, soft_top_k=-1)
 
 
 def test_a_fitted_schedule_spans_the_steps_that_fit():
@@ -310,6 +317,42 @@ def test_answer_prompts_are_the_targets_greedy_answers_and_resume(sharegpt_file,
     both = load_features(f"{tmp_path / 'f'}, {tmp_path / 'f'}")  # comma-separated directories: their union
     assert both.num_tokens == 2 * one.num_tokens and len(both) == 2 * len(one)
     assert torch.equal(both.sequence(len(one))["ids"], one.sequence(0)["ids"])
+
+
+def test_sampled_answers_are_seeded_per_prompt_keep_their_kind_and_resume(tmp_path):
+    from selfspec.train.answers import AnswerConfig, answer_prompts, prompt_seed
+
+    ss = SelfSpec(tiny_model("llama"), tiny_tokenizer(TEMPLATE))
+    prompts = tmp_path / "prompts.json"  # as make-prompts writes them: one human turn and its kind
+    kinds = ["translation", "math", "translation", "rag", "math"]
+    prompts.write_text(json.dumps([{"id": f"p{i}", "kind": k, "conversations": [{"from": "human", "value": " ".join(
+        WORDS[i : i + 5])}]} for i, k in enumerate(kinds)]))
+    cfg = AnswerConfig(source=str(prompts), out=str(tmp_path / "a.json"), max_new_tokens=8, temperature=0.7, seed=3,
+                       max_conversations=2)
+    answer_prompts(ss, cfg)
+    answer_prompts(ss, replace(cfg, max_conversations=0))  # resumed
+    whole = replace(cfg, out=str(tmp_path / "b.json"), max_conversations=0)
+    answer_prompts(ss, whole)
+    recs = list(iter_records(tmp_path / "a.json"))
+    assert recs == list(iter_records(tmp_path / "b.json"))  # a resumed run writes what an uninterrupted one does
+    assert [r["kind"] for r in recs] == [r["kind"] for r in json.loads(prompts.read_text())]
+    assert all(r["temperature"] == 0.7 for r in recs)
+    greedy = 0
+    for rec in recs:
+        msgs = [{"role": "user", "content": rec["conversations"][0]["value"]}]
+        alone = ss.generate(msgs, max_new_tokens=8, method="plain", temperature=0.7, seed=prompt_seed(3, rec["id"]))
+        row = [t for t in alone.token_ids if t not in ss.eos_token_ids]
+        assert rec["conversations"][1]["value"] == ss.tokenizer.decode(row)  # each equals its request alone
+        greedy += rec["conversations"][1]["value"] == ss.generate(msgs, max_new_tokens=8, method="plain").text
+    assert greedy < len(recs)  # sampled, not the greedy answers
+    with pytest.raises(InvalidConfigError, match="temperature"):
+        answer_prompts(ss, replace(cfg, temperature=-1.0))
+    # --kinds reads one kind of such a file (a held-out set per kind), and is refused on ShareGPT itself
+    feats = collect_features(ss.split, ss.tokenizer, FeatureConfig(out=str(tmp_path / "f"), source=str(tmp_path / "a.json"),
+                                                                   layers="1", kinds="math,rag"))
+    assert feats["conversations"] == 3
+    with pytest.raises(InvalidConfigError, match="no kind"):
+        list(FeatureConfig(kinds="math").conversations())
 
 
 @pytest.mark.slow

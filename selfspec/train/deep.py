@@ -181,13 +181,17 @@ def vocab_label_map(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_probs(split: SplitModel, final: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+def target_probs(split: SplitModel, final: torch.Tensor, lm_rows: torch.Tensor, top_k: int = 0) -> torch.Tensor:
     """The target's next-token distribution over the draft vocabulary ``# [n, vocab_trim]`` from its final states
-    ``# [n, hidden]`` (as stored: before the final norm) and those rows of its LM head, in float32."""
+    ``# [n, hidden]`` (as stored: before the final norm) and those rows of its LM head, in float32; with ``top_k``,
+    only its k most probable tokens, renormalized (HASS's top-K distillation), zeros elsewhere."""
     with torch.autocast("cpu", enabled=False):
         logits = split.final_norm(final.float()) @ lm_rows.T
         if split.softcap is not None:
             logits = torch.tanh(logits / split.softcap) * split.softcap
+        if 0 < top_k < logits.shape[-1]:
+            kept = logits.topk(top_k, dim=-1)
+            logits = torch.full_like(logits, float("-inf")).scatter_(-1, kept.indices, kept.values)
         return logits.softmax(-1)
 
 
@@ -236,7 +240,7 @@ def train_deep_head(split: SplitModel, cfg: DeepTrainConfig) -> tuple[DeepContex
     def step_loss(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         batch = _collate(train, idx, cfg.exit_layer, label_map, cfg.assistant_only, context_layers)
         if cfg.soft_weight > 0:
-            batch["soft"] = target_probs(split, batch["final"][batch["labels"] >= 0], lm_cpu)
+            batch["soft"] = target_probs(split, batch["final"][batch["labels"] >= 0], lm_cpu, cfg.soft_top_k)
         return deep_loss(head, lm_rows, to_device(batch, device), cfg)
 
     step, history, t0, total, schedule = train_steps(head, train, cfg, ckpt, step, history, step_loss,

@@ -35,6 +35,8 @@ class DeepTrainConfig:
     soft_weight: float = opt(0.0, "Weight of the soft labels in the classification loss: cross-entropy against the target's own "
                              "distribution over the draft vocabulary (from the stored final states, EAGLE's p), the hard "
                              "label's (the target's argmax) getting 1 - this.")
+    soft_top_k: int = opt(0, "With --soft-weight: the soft labels keep only the target's K most probable draft tokens, "
+                          "renormalized (HASS's top-K distillation); 0: its whole distribution over the draft vocabulary.")
     vocab_trim: int = opt(8192, "Draft vocabulary: the N most frequent target labels in the training data (0: all).")
     assistant_only: bool = opt(False, "Train only on positions inside assistant turns.")
     max_tokens: int = opt(0, "Use at most this many training tokens (0: all stored).")
@@ -66,3 +68,5 @@ class DeepTrainConfig:
             raise InvalidConfigError(f"rollout must be >= 1 (pass 1 is the first draft position), got {self.rollout}")
         if not 0.0 <= self.soft_weight <= 1.0:
             raise InvalidConfigError(f"soft_weight must be in [0, 1] (the soft labels' share of the loss), got {self.soft_weight}")
+        if self.soft_top_k < 0:
+            raise InvalidConfigError(f"soft_top_k must be >= 0 (0: every draft token), got {self.soft_top_k}")

@@ -140,7 +140,7 @@ def train_nested_head(split: SplitModel, cfg: NestedTrainConfig) -> tuple[Nested
         batches = {d: _collate(train, idx, d, label_map, cfg.assistant_only) for d in depths}
         if cfg.soft_weight > 0:  # one distribution per position: every depth predicts the same token
             first = batches[depths[0]]
-            soft = target_probs(split, first["final"][first["labels"] >= 0], lm_rows)
+            soft = target_probs(split, first["final"][first["labels"] >= 0], lm_rows, cfg.soft_top_k)
             for batch in batches.values():
                 batch["soft"] = soft
         return nested_loss(head, lm_rows, batches, cfg, gen)

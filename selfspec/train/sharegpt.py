@@ -102,15 +102,18 @@ def is_heldout(conv_id: str, share: float) -> bool:
 
 
 def conversations(source: str = "sharegpt", split: str = "train", heldout: float = 0.02,
-                  exclude: str | Path | None = None, max_turns: int = 4,
-                  min_turns: int = 2) -> Iterator[tuple[str, list[dict[str, str]]]]:
-    """(id, messages) of one side of the split, in file order, minus Spec-Bench overlaps."""
+                  exclude: str | Path | None = None, max_turns: int = 4, min_turns: int = 2,
+                  kinds: frozenset[str] = frozenset()) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """(id, messages) of one side of the split, in file order, minus Spec-Bench overlaps; with ``kinds``, only
+    records whose ``kind`` (as ``make-prompts`` writes it) is one of them."""
     if split not in ("train", "heldout"):
         raise InvalidConfigError(f"split must be 'train' or 'heldout', got '{split}'")
     bench = specbench_keys(exclude)
     for n, rec in enumerate(iter_records(sharegpt_path(source))):
         cid = str(rec.get("id", n))
         if is_heldout(cid, heldout) != (split == "heldout"):
+            continue
+        if kinds and rec.get("kind") not in kinds:
             continue
         msgs = messages_of(rec, max_turns, min_turns)
         if msgs and _norm(msgs[0]["content"]) not in bench:
@@ -126,8 +129,17 @@ class ConversationSource:
     heldout: float = opt(0.02, "Share of conversations on the held-out side.")
     exclude: str = opt("", "Spec-Bench question.jsonl: conversations whose first turn matches a question are dropped.")
     skip: int = opt(0, "Skip this many conversations of the split first (e.g. those an earlier run already read).")
+    kinds: str = opt("", "Only the records of these kinds, comma-separated (make-prompts' and answer-prompts' files "
+                     "record each prompt's kind: chat, translation, summarization, qa, rag, math); empty: all.")
+
+    def kind_set(self) -> frozenset[str]:
+        """``kinds`` as a set; a file with no record of a named kind simply yields none of it."""
+        return frozenset(k.strip() for k in self.kinds.split(",") if k.strip())
 
     def conversations(self, max_turns: int = 4, min_turns: int = 2) -> Iterator[tuple[str, list[dict[str, str]]]]:
-        """The split's conversations in file order, the first ``skip`` left out."""
-        return islice(conversations(self.source, self.split, self.heldout, self.exclude or None, max_turns, min_turns),
-                      self.skip, None)
+        """The split's conversations in file order (only ``kinds``, when given), the first ``skip`` left out."""
+        if self.kind_set() and self.source == "sharegpt":
+            raise InvalidConfigError("kinds: ShareGPT's own records have no kind; give --source a make-prompts or "
+                                     "answer-prompts file")
+        return islice(conversations(self.source, self.split, self.heldout, self.exclude or None, max_turns, min_turns,
+                                    self.kind_set()), self.skip, None)
