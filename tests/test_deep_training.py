@@ -343,7 +343,8 @@ def test_sampled_answers_are_seeded_per_prompt_keep_their_kind_and_resume(tmp_pa
         alone = ss.generate(msgs, max_new_tokens=8, method="plain", temperature=0.7, seed=prompt_seed(3, rec["id"]))
         row = [t for t in alone.token_ids if t not in ss.eos_token_ids]
         assert rec["conversations"][1]["value"] == ss.tokenizer.decode(row)  # each equals its request alone
-        greedy += rec["conversations"][1]["value"] == ss.generate(msgs, max_new_tokens=8, method="plain").text
+        ref = ss.generate(msgs, max_new_tokens=8, method="plain").token_ids
+        greedy += row == [t for t in ref if t not in ss.eos_token_ids]
     assert greedy < len(recs)  # sampled, not the greedy answers
     with pytest.raises(InvalidConfigError, match="temperature"):
         answer_prompts(ss, replace(cfg, temperature=-1.0))
@@ -353,6 +354,8 @@ def test_sampled_answers_are_seeded_per_prompt_keep_their_kind_and_resume(tmp_pa
     assert feats["conversations"] == 3
     with pytest.raises(InvalidConfigError, match="no kind"):
         list(FeatureConfig(kinds="math").conversations())
+    with pytest.raises(InvalidConfigError, match="unknown kind.*tranlsation"):  # a typo, not an empty set
+        FeatureConfig(source=str(tmp_path / "a.json"), kinds="math,tranlsation").conversations()
 
 
 @pytest.mark.slow

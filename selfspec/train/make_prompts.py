@@ -38,9 +38,8 @@ from selfspec.config import opt
 from selfspec.errors import InvalidConfigError
 from selfspec.paths import atomic_write_text
 from selfspec.progress import announce
-from selfspec.train.sharegpt import ConversationSource, is_heldout
+from selfspec.train.sharegpt import KINDS, ConversationSource, is_heldout
 
-KINDS = ("chat", "translation", "summarization", "qa", "rag", "math")  # Spec-Bench's groups (chat: MT-Bench)
 NGRAM = 13  # words of a sequence shared with a Spec-Bench turn that make a prompt contaminated
 
 _STOPWORDS = {

@@ -21,6 +21,7 @@ from typing import Any
 from selfspec.config import opt
 from selfspec.errors import InvalidConfigError, ModelNotFoundError
 
+KINDS = ("chat", "translation", "summarization", "qa", "rag", "math")  # make-prompts' kinds: Spec-Bench's groups
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant"}
 
 
@@ -130,16 +131,21 @@ class ConversationSource:
     exclude: str = opt("", "Spec-Bench question.jsonl: conversations whose first turn matches a question are dropped.")
     skip: int = opt(0, "Skip this many conversations of the split first (e.g. those an earlier run already read).")
     kinds: str = opt("", "Only the records of these kinds, comma-separated (make-prompts' and answer-prompts' files "
-                     "record each prompt's kind: chat, translation, summarization, qa, rag, math); empty: all.")
+                     "record each prompt's kind: " + ", ".join(KINDS) + "); empty: all.")
 
     def kind_set(self) -> frozenset[str]:
-        """``kinds`` as a set; a file with no record of a named kind simply yields none of it."""
-        return frozenset(k.strip() for k in self.kinds.split(",") if k.strip())
+        """``kinds`` as a set; an unknown kind is an error (a file with no record of a known one yields none)."""
+        out = frozenset(k.strip() for k in self.kinds.split(",") if k.strip())
+        if out - set(KINDS):
+            raise InvalidConfigError(f"kinds: unknown kind(s) {', '.join(sorted(out - set(KINDS)))} (known: "
+                                     f"{', '.join(KINDS)})")
+        return out
 
     def conversations(self, max_turns: int = 4, min_turns: int = 2) -> Iterator[tuple[str, list[dict[str, str]]]]:
         """The split's conversations in file order (only ``kinds``, when given), the first ``skip`` left out."""
-        if self.kind_set() and self.source == "sharegpt":
+        kinds = self.kind_set()
+        if kinds and self.source == "sharegpt":
             raise InvalidConfigError("kinds: ShareGPT's own records have no kind; give --source a make-prompts or "
                                      "answer-prompts file")
         return islice(conversations(self.source, self.split, self.heldout, self.exclude or None, max_turns, min_turns,
-                                    self.kind_set()), self.skip, None)
+                                    kinds), self.skip, None)
