@@ -148,8 +148,10 @@ def test_speedup_is_a_ratio_of_means_and_mal_pools_steps(tmp_path):
     hf = [record(81, "writing", [5, 5], [0.5, 0.5]), record(161, "translation", [20], [1.0]),
           record(241, "qa", [30], [1.0])]  # 10, 20, 30 tok/s
     fast = [record(81, "writing", [5, 5], [0.125, 0.125], accepts=[[2, 2], [3, 1]], drafts=[6, 6],  # 40 tok/s
-                   rounds=[{"lookup": 1, "depths": {"1": 1}, "store": 1, "store_proposed": 4, "store_accepted": 1},
-                           {"lookup": 0, "depths": {"1": 1, "2": 1}}]),
+                   rounds=[{"lookup": 1, "depths": {"1": 1}, "store": 1, "store_proposed": 4, "store_accepted": 1,
+                            "head_proposed": [2, 1], "head_accepted": [1, 0]},
+                           {"lookup": 0, "depths": {"1": 1, "2": 1}, "head_proposed": [3, 3, 1],
+                            "head_accepted": [2, 1, 0]}]),
             record(161, "translation", [20], [1.0], accepts=[[4] * 4 + [3]], drafts=[20]),  # 20 tok/s
             record(241, "qa", [30], [1.0], accepts=[[1] * 29], drafts=[29], ids=[[7] * 30],  # 30 tok/s
                    rounds=[{"lookup": 0, "depths": {}, "blank": 10}])]  # 10 of its 29 steps blank, the rest plain
@@ -160,6 +162,8 @@ def test_speedup_is_a_ratio_of_means_and_mal_pools_steps(tmp_path):
         "methods": {"hf": {"kind": "hf", "info": {}}, "fast": {"kind": "selfspec", "info": {"exit_layer": 1,
                                                                                             "num_layers": 4}}}}))
     s = summarize(load_run(tmp_path))
+    table = format_summary(s)  # per group (mt_bench, translation, qa, overall): the head's first two positions
+    assert "Head drafts accepted at chain positions 1 / 2" in table and "| fast | 0.60 / 0.25 | - | - | 0.60 / 0.25 |" in table
     overall = s["groups"]["overall"]
     assert overall["fast"]["tokens_per_s"] == pytest.approx(30.0) and overall["hf"]["tokens_per_s"] == pytest.approx(20.0)
     assert overall["fast"]["speedup"] == pytest.approx(1.5)  # not the mean of ratios (2.0)
@@ -174,9 +178,12 @@ def test_speedup_is_a_ratio_of_means_and_mal_pools_steps(tmp_path):
     # 4 steps: 1 lookup, 3 early-exit rounds (two at depth 1, one at depth 2), no plain step
     depths = mt["rounds"].pop("depths")
     assert mt["rounds"].pop("store_acceptance") == pytest.approx(0.25)  # the lookup step drafted from a token store
+    # the head's drafts per chain position, pooled: proposed 5 / 4 / 1, accepted 3 / 1 / 0
+    assert mt["rounds"].pop("head_acceptance") == pytest.approx([0.6, 0.25, 0.0])
     assert mt["rounds"] == pytest.approx({"lookup": 0.25, "head": 0.75, "plain": 0.0, "blank": 0.0, "store": 0.25})
     qa = s["groups"]["qa"]["fast"]["rounds"]
     assert qa["blank"] == pytest.approx(10 / 29) and qa["plain"] == pytest.approx(19 / 29)
+    assert qa["head_acceptance"] == []  # rounds recorded without the head's drafts
     assert depths == pytest.approx({"1": 2 / 3, "2": 1 / 3})
     assert "rounds" not in s["groups"]["mt_bench"]["hf"]
     assert list(s["groups"]) == ["mt_bench", "translation", "qa", "overall"]

@@ -90,11 +90,26 @@ def round_mix(recs: list[dict], steps: int) -> dict[str, Any] | None:
     head = sum(depths.values())
     store, proposed = sum(t.get("store", 0) for t in turns), sum(t.get("store_proposed", 0) for t in turns)
     blank = sum(t.get("blank", 0) for t in turns)  # answer records without a 'blank' count have none
-    return {"lookup": lookup / steps, "head": head / steps, "plain": max(0.0, 1.0 - (lookup + head + blank) / steps),
+    return {"lookup": lookup / steps, "head_acceptance": head_acceptance(turns), "head": head / steps, "plain": max(0.0, 1.0 - (lookup + head + blank) / steps),
             "blank": blank / steps,
             "store": store / steps,
             "store_acceptance": sum(t.get("store_accepted", 0) for t in turns) / proposed if proposed else None,
             "depths": {d: n / head for d, n in sorted(depths.items(), key=lambda kv: int(kv[0]))} if head else {}}
+
+
+def head_acceptance(turns: list[dict]) -> list[float]:
+    """The head's drafts accepted per chain position, pooled over ``turns``: entry i is the share of rounds that
+    drafted at least i + 1 tokens whose first i + 1 drafts were all accepted ([] without records)."""
+    proposed: list[int] = []
+    accepted: list[int] = []
+    for t in turns:
+        for i, (p, a) in enumerate(zip(t.get("head_proposed", []), t.get("head_accepted", []))):
+            if i == len(proposed):
+                proposed.append(0)
+                accepted.append(0)
+            proposed[i] += p
+            accepted[i] += a
+    return [a / p for a, p in zip(accepted, proposed) if p]
 
 
 def method_metrics(run: Run, method: str, qids: list[int], baseline: str | None) -> dict[str, Any]:

@@ -72,6 +72,25 @@ def format_rounds(summary: dict[str, Any]) -> list[str]:
         depths = ", ".join(f"{d}: {x:.0%}" for d, x in r["depths"].items()) or "-"
         lines.append(f"| {m} | {r['lookup']:.0%} | {r['head']:.0%} | {depths} | {r['blank']:.0%} | "
                      f"{r['plain']:.0%} |")
+    return lines + format_head_acceptance(summary)
+
+
+def format_head_acceptance(summary: dict[str, Any]) -> list[str]:
+    """Per group, the head's drafts accepted at chain positions 1 and 2 (both drafts accepted at 2)."""
+    groups = summary["groups"]
+    names = list(groups)
+    methods = [m for m in summary["methods"] if any((groups[g].get(m, {}).get("rounds") or {}).get("head_acceptance")
+                                                    for g in names)]
+    if not methods:
+        return []
+    lines = ["", "Head drafts accepted at chain positions 1 / 2 (position 2: both drafts accepted, of the rounds that "
+             "drafted two):", "", "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for m in methods:
+        cells = []
+        for g in names:
+            acc = (groups[g].get(m, {}).get("rounds") or {}).get("head_acceptance") or []
+            cells.append(" / ".join(f"{x:.2f}" for x in acc[:2]) or "-")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 
 

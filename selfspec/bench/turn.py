@@ -30,7 +30,7 @@ class TurnResult:
     prompt_tokens: int = 0
     specee: dict[str, Any] | None = None  # SpecEE kinds: exit layers, predictor checks and time, exit agreement
     # selfspec kinds: {"lookup": steps drafted by lookup, "blank": steps whose head draft was refused, "depths": {depth:
-    # rounds}, ...}
+    # rounds}, "head_proposed" / "head_accepted": the head's drafts per chain position, ...}
     rounds: dict[str, Any] | None = None
     peer: dict[str, Any] | None = None  # llama-cpp: the server's own timings (prompt / predicted ms, drafts)
     prefill_time: float | None = None  # seconds of wall_time spent on the prompt and the first token (None: unknown)
@@ -83,7 +83,8 @@ def run_turn(ss: SelfSpec, method: Method, ids: list[int], max_new_tokens: int, 
     if method.kind != "plain":
         rounds = {"lookup": st.lookup_steps, "store": st.store_steps, "store_proposed": st.store_proposed,
                   "store_accepted": st.store_accepted, "blank": st.blank_steps,
-                  "depths": {str(d): n for d, n in sorted(st.draft_depths.items())}}
+                  "depths": {str(d): n for d, n in sorted(st.draft_depths.items())},
+                  "head_proposed": list(st.proposed_per_position), "head_accepted": list(st.accepted_per_position)}
     return TurnResult(r.token_ids, st.wall_time, st.steps, list(st.accept_lengths), drafted, len(ids), specee, rounds,
                       prefill_time=st.prefill_time, cached_tokens=st.cached_tokens)
 
