@@ -18,6 +18,7 @@ from selfspec.bench.pareto import agreement_metrics
 from selfspec.bench.questions import GROUPS, group_of
 from selfspec.bench.repetition import repetition_split
 from selfspec.costs import DraftCosts
+from selfspec.stats import GenerationStats
 
 SELFSPEC_KINDS = ("selfspec",)
 
@@ -90,26 +91,23 @@ def round_mix(recs: list[dict], steps: int) -> dict[str, Any] | None:
     head = sum(depths.values())
     store, proposed = sum(t.get("store", 0) for t in turns), sum(t.get("store_proposed", 0) for t in turns)
     blank = sum(t.get("blank", 0) for t in turns)  # answer records without a 'blank' count have none
-    return {"lookup": lookup / steps, "head_acceptance": head_acceptance(turns), "head": head / steps, "plain": max(0.0, 1.0 - (lookup + head + blank) / steps),
+    return {"lookup": lookup / steps, "head": head / steps, "plain": max(0.0, 1.0 - (lookup + head + blank) / steps),
             "blank": blank / steps,
+            "head_acceptance": head_acceptance(turns),
             "store": store / steps,
             "store_acceptance": sum(t.get("store_accepted", 0) for t in turns) / proposed if proposed else None,
             "depths": {d: n / head for d, n in sorted(depths.items(), key=lambda kv: int(kv[0]))} if head else {}}
 
 
 def head_acceptance(turns: list[dict]) -> list[float]:
-    """The head's drafts accepted per chain position, pooled over ``turns``: entry i is the share of rounds that
-    drafted at least i + 1 tokens whose first i + 1 drafts were all accepted ([] without records)."""
-    proposed: list[int] = []
-    accepted: list[int] = []
+    """The head's drafts accepted per chain position, pooled over ``turns`` as GenerationStats.merge pools them:
+    entry i is the share of rounds that drafted at least i + 1 tokens whose first i + 1 drafts were all accepted
+    ([] without records)."""
+    total = GenerationStats()
     for t in turns:
-        for i, (p, a) in enumerate(zip(t.get("head_proposed", []), t.get("head_accepted", []))):
-            if i == len(proposed):
-                proposed.append(0)
-                accepted.append(0)
-            proposed[i] += p
-            accepted[i] += a
-    return [a / p for a, p in zip(accepted, proposed) if p]
+        total.merge(GenerationStats(proposed_per_position=list(t.get("head_proposed", [])),
+                                    accepted_per_position=list(t.get("head_accepted", []))))
+    return total.acceptance_rate_per_position
 
 
 def method_metrics(run: Run, method: str, qids: list[int], baseline: str | None) -> dict[str, Any]:

@@ -78,18 +78,15 @@ def format_rounds(summary: dict[str, Any]) -> list[str]:
 def format_head_acceptance(summary: dict[str, Any]) -> list[str]:
     """Per group, the head's drafts accepted at chain positions 1 and 2 (both drafts accepted at 2)."""
     groups = summary["groups"]
-    names = list(groups)
-    methods = [m for m in summary["methods"] if any((groups[g].get(m, {}).get("rounds") or {}).get("head_acceptance")
-                                                    for g in names)]
+    acc = {m: [(groups[g].get(m, {}).get("rounds") or {}).get("head_acceptance") or [] for g in groups]
+           for m in summary["methods"]}
+    methods = [m for m, per_group in acc.items() if any(per_group)]
     if not methods:
         return []
     lines = ["", "Head drafts accepted at chain positions 1 / 2 (position 2: both drafts accepted, of the rounds that "
-             "drafted two):", "", "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+             "drafted two):", "", "| method | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
     for m in methods:
-        cells = []
-        for g in names:
-            acc = (groups[g].get(m, {}).get("rounds") or {}).get("head_acceptance") or []
-            cells.append(" / ".join(f"{x:.2f}" for x in acc[:2]) or "-")
+        cells = [" / ".join(f"{x:.2f}" for x in a[:2]) or "-" for a in acc[m]]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 
