@@ -26,6 +26,7 @@ from selfspec.engine import Engine
 from selfspec.errors import EmptyPromptError, InvalidConfigError, NoChatTemplateError
 from selfspec.heads.base import ExitHead
 from selfspec.heads.io import resolve_head
+from selfspec.kernels.build import matrix_unit
 from selfspec.memory import freeze_gc, trim_heap
 from selfspec.models.loading import load_model, local_gguf, model_id_of
 from selfspec.models.split import SplitModel
@@ -73,7 +74,8 @@ class SelfSpec:
         parts = [f"kernel {s.kernel}"]
         if s.quantized and s.backend == "fast":
             isa = "AVX-512" if words5() else "AVX2"
-            parts.append(f"numerics {s.numerics.name} ({s.numerics.arithmetic}; {isa} build)")
+            unit = "; 4- and 5-bit codes' group sums on AMX tiles" if s.numerics.exact and matrix_unit() == "amx" else ""
+            parts.append(f"numerics {s.numerics.name} ({s.numerics.arithmetic}; {isa} build{unit})")
             parts.append("weights " + " ".join(s.block_types))
         else:
             parts.append(f"dtype {str(s.dtype).removeprefix('torch.')}")

@@ -10,7 +10,8 @@ what they were measured on is the same. The key (``cost_key``) holds:
     quantization (the GGUF block types, int8 numerics), backend and kernel path;
   - the head: where it came from (+ its weights file's size), its kind, parameter count and drafted vocabulary
     size, and the depth drafted from;
-  - the kernels' source hash (``selfspec.kernels.build.kernel_source_hash``), ``SELFSPEC_KERNEL``, torch's
+  - the kernels' source hash (``selfspec.kernels.build.kernel_source_hash``), ``SELFSPEC_KERNEL``, the matrix
+    unit the exact kernels use (``matrix_unit``: AMX or FMA), torch's
     version, and COSTS_VERSION (bumped when the measurement changes).
 
 The weights' values are not in it: they do not change a forward's cost. A key that differs, a missing,
@@ -40,7 +41,7 @@ import torch
 from selfspec.costs import DraftCosts, measure_draft_costs, time_layers
 from selfspec.heads.base import ExitHead
 from selfspec.heads.identity import head_identity, model_fingerprint
-from selfspec.kernels.build import cpu_flags, kernel_source_hash
+from selfspec.kernels.build import cpu_flags, kernel_source_hash, matrix_unit
 from selfspec.machine import cpu_name
 from selfspec.models.split import SplitModel
 from selfspec.paths import atomic_write_text, cache_root
@@ -68,7 +69,8 @@ def cost_key(split: SplitModel, head: ExitHead, depth: int) -> dict[str, Any]:
         "head": {"id": head_identity(head), "kind": head.kind, "params": head.num_params(),
                  "vocab_drafted": len(head.vocab_ids), "depth": depth,
                  "draft_weights": head.draft_weights},
-        "kernels": {"source": kernel_source_hash(), "env": os.environ.get("SELFSPEC_KERNEL", "")},
+        "kernels": {"source": kernel_source_hash(), "env": os.environ.get("SELFSPEC_KERNEL", ""),
+                    "matrix_unit": matrix_unit()},
         "torch": torch.__version__,
     }
 

@@ -47,6 +47,7 @@ from selfspec.config import DraftConfig, ModelConfig, opt
 from selfspec.costs import time_blocks, time_head
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import bundled_head_dir, read_head_config
+from selfspec.kernels.build import matrix_unit
 from selfspec.memory import resident_mb
 from selfspec.models.split import BACKENDS, SplitModel
 from selfspec.progress import announce, progress
@@ -213,7 +214,7 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
         "model_info": {"num_layers": L, "exit_layer": k, "head": head.kind, "hidden_size": ss.split.hidden_size,
                        "vocab_size": ss.split.vocab_size, "dtype": dtype,
                        "parameters": sum(p.numel() for p in ss.model.parameters())},
-        "kernels": {b: s.kernel for b, s in splits.items()}, "numerics": ss.split.numerics.name, "block_sizes": sizes,
+        "kernels": {b: s.kernel for b, s in splits.items()}, "numerics": ss.split.numerics.name, "matrix_unit": matrix_unit(), "block_sizes": sizes,
         "memory": {**memory, "weights_mb": nbytes["full"] / MIB},
         "quantized_kernels": kernel_figures(ss, sizes, cfg.reps, bandwidth) if ss.split.quantized else [],
         "machine": {**machine, "threads": threads, "torch": torch.__version__},

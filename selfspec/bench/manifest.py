@@ -20,6 +20,7 @@ from selfspec.bench.config import BenchConfig
 from selfspec.bench.methods import Method
 from selfspec.config import GenerateConfig, ModelConfig
 from selfspec.errors import InvalidConfigError
+from selfspec.kernels.build import matrix_unit
 from selfspec.machine import cpu_info
 
 FORMAT = "selfspec-specbench/1"
@@ -57,7 +58,8 @@ def open_manifest(run: Path, cfg: BenchConfig, model_cfg: ModelConfig | None, ss
     gen = GenerateConfig(max_new_tokens=cfg.max_new_tokens, ignore_eos=False)
     model = {"model_id": ss.model_id, "num_layers": ss.split.num_layers, "vocab_size": ss.split.vocab_size,
              "dtype": str(ss.split.dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in ss.model.parameters()),
-             "kernel": ss.split.kernel, "numerics": ss.split.numerics.name}
+             "kernel": ss.split.kernel, "numerics": ss.split.numerics.name,
+             "matrix_unit": matrix_unit()}
     if path.is_file():
         m = json.loads(path.read_text())
         problems = []

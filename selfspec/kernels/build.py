@@ -1,5 +1,5 @@
-"""Building selfspec's CPU kernels (``_SOURCES``: gemv.cpp; the block-quantized kernels qlinear.cpp, qlinear_i8.cpp,
-qargmax.cpp, qdense.cpp, qgemm.cpp; ops.cpp, attention.cpp; step.cpp) once per source, torch and CPU.
+"""Building selfspec's CPU kernels (``_SOURCES``: gemv.cpp; the block-quantized kernels qlinear.cpp, qlinear_amx.cpp,
+qlinear_i8.cpp, qargmax.cpp, qdense.cpp, qgemm.cpp; ops.cpp, attention.cpp; step.cpp) once per source, torch and CPU.
 
 The extension is compiled with ``-march=native``, so the instruction set is chosen on the machine that
 runs it: AVX-512 (with its 16-row tiles) where the CPU has it, AVX2 otherwise. ``SELFSPEC_ISA=avx2``
@@ -25,7 +25,7 @@ from selfspec.paths import cache_root
 from selfspec.progress import announce
 
 _SOURCES = [Path(__file__).with_name(n) for n in (
-    "gemv.cpp", "qlinear.cpp", "qlinear_i8.cpp", "qargmax.cpp", "qdense.cpp", "qgemm.cpp", "ops.cpp", "attention.cpp",
+    "gemv.cpp", "qlinear.cpp", "qlinear_amx.cpp", "qlinear_i8.cpp", "qargmax.cpp", "qdense.cpp", "qgemm.cpp", "ops.cpp", "attention.cpp",
     "step.cpp",
 )]
 _HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h", "qcodes.h")]  # part of what the build is made of (its tag), not compiled alone
@@ -127,3 +127,10 @@ def built_extension() -> Any:
     return ext
 
 
+
+
+def matrix_unit() -> str:
+    """Where the exact kernels' group sums run: 'amx' (4- and 5-bit codes on AMX tiles, bfloat16 limbs of the
+    activations: qlinear_amx.cpp) or 'fma' (the float32 FMA kernels). ``SELFSPEC_AMX=0`` turns AMX off."""
+    ext = cpu_extension()
+    return "amx" if ext is not None and ext.amx_on() else "fma"

@@ -1,5 +1,5 @@
 // The functions selfspec's CPU kernel files call across files (one extension: gemv.cpp; the block-quantized kernels
-// qlinear.cpp, qlinear_i8.cpp, qargmax.cpp, qdense.cpp, qgemm.cpp, which share qcodes.h; ops.cpp, attention.cpp;
+// qlinear.cpp, qlinear_amx.cpp, qlinear_i8.cpp, qargmax.cpp, qdense.cpp, qgemm.cpp, which share qcodes.h; ops.cpp, attention.cpp;
 // step.cpp; ops.cpp binds them all to Python).
 #pragma once
 // Only the ATen headers the kernels use (the tensor, its factories, parallel_for): torch/extension.h pulls in most of
@@ -41,6 +41,12 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, at::Tensor bias, at::Tensor o
 // qlinear.cpp
 at::Tensor qlinear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits,
                       int64_t group, double z, at::Tensor bias, at::Tensor out, bool accumulate);
+// qlinear_amx.cpp (qcodes.h has the kernel's interface)
+namespace qcodes {
+bool amx_available();
+bool amx_on();
+void amx_set(bool on);
+}  // namespace qcodes
 // qlinear_i8.cpp
 at::Tensor qlinear_i8(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
                          int64_t bits, int64_t group, double z, at::Tensor bias, at::Tensor out,

@@ -36,8 +36,9 @@
 // This header holds what the kernel files for these weights share: the codes' unpacking (planes, words, column
 // pairs, a group's bytes and prefetch, a group dequantized), the dispatch on code width, the argument checks, and
 // the parts of the decoding kernels that qargmax.cpp reuses. The kernels themselves: qlinear.cpp (float32
-// activations), qlinear_i8.cpp (the 8-bit activation mode), qargmax.cpp (the greedy screen and its bound table),
-// qdense.cpp (dequantized rows and tiles), qgemm.cpp (the prefill's panels).
+// activations; qlinear_amx.cpp: its group sums on AMX tiles), qlinear_i8.cpp (the 8-bit activation mode),
+// qargmax.cpp (the greedy screen and its bound table), qdense.cpp (dequantized rows and tiles), qgemm.cpp (the
+// prefill's panels).
 #pragma once
 #include <immintrin.h>
 
@@ -322,6 +323,32 @@ inline void store_tile(const float* res, int64_t mc, float* y, int64_t ldy, int6
       const float v = res[m * L + r] + (bias ? bias[r] : 0.f);
       y[m * ldy + r] = accumulate ? y[m * ldy + r] + v : v;
     }
+}
+
+// qlinear_amx.cpp: the exact kernel's group sums on AMX tiles, for 4-bit codes in groups of 32. amx_on(): the build
+// has AMX, Linux granted the tile state, and neither SELFSPEC_AMX=0 nor amx_set(false) turned it off; qlinear's run
+// and tile_rows then take it for every row count, so that qlinear and qargmax agree bit for bit.
+bool amx_available();
+bool amx_on();
+void amx_set(bool on);
+constexpr int64_t AMX_ROWS = 16;  // x-rows per call of amx_rows (48 limb rows: three tiles)
+// x [M, ldx] -> out [3 M, K] bfloat16: row 3 m + l is x-row m's limb l (x = x0 + x1 + x2 exactly), its columns
+// in the order of the codes' B tiles (swap: 4-bit codes, 0 2 1 3 in every four)
+void amx_limbs(const float* x, int64_t M, int64_t K, int64_t ldx, bool swap, uint16_t* out);
+void amx_config(int64_t mc);  // this thread's tiles for mc <= AMX_ROWS x-rows
+void amx_release();
+// res[mc][16] for one block, as tile_rows: a = the mc rows' limbs (amx_limbs), readable 16 rows past 3 mc
+template <int BITS, bool OFF>
+void amx_rows(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_t* cb, Sc sc, Sc of, const float* xs,
+              float z, float* res);
+// the same for two blocks at once (they share the limbs' tile loads): each block's res as amx_rows gives it
+template <int BITS, bool OFF>
+void amx_rows2(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_t* cb0, Sc sc0, Sc of0,
+               const uint8_t* cb1, Sc sc1, Sc of1, const float* xs, float z, float* res0, float* res1);
+constexpr int64_t AMX_PAIR_ROWS = 8;  // up to this many x-rows, qlinear's run takes blocks in pairs (registers)
+template <int BITS>
+inline bool amx_takes(int64_t g) {
+  return (BITS == 4 || BITS == 5) && g == 32 && amx_on();
 }
 
 // M(BITS, OFF) for every code width and offset case dispatch covers (explicit instantiations of the tile functions).

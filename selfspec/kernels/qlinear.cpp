@@ -226,6 +226,17 @@ namespace qcodes {
 template <int BITS, bool OFF>
 void tile_rows(int64_t mc, const float* xm, int64_t K, int64_t G, int64_t g, const uint8_t* cb, Sc sb, Sc ob,
                const float* xs, float z, float* res) {
+  if constexpr (BITS == 4 || BITS == 5) {
+    if (amx_takes<BITS>(g)) {
+      thread_local std::vector<uint16_t> a;
+      a.resize(3 * mc * K);
+      amx_limbs(xm, mc, K, K, BITS == 4, a.data());
+      amx_config(mc);
+      amx_rows<BITS, OFF>(mc, a.data(), K, G, cb, sb, ob, xs, z, res);
+      amx_release();
+      return;
+    }
+  }
   switch (mc) {
     case 1: tile<BITS, OFF, 1>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
     case 2: tile<BITS, OFF, 2>(xm, K, G, g, cb, sb, ob, xs, z, res); break;
@@ -249,9 +260,62 @@ SELFSPEC_EACH_CODE(SELFSPEC_INSTANTIATE)
 
 namespace {
 
+// run on AMX tiles (amx_takes): the x-rows' limbs made once, then each block's rows in calls of up to AMX_ROWS.
+template <int BITS, bool OFF>
+void run_amx(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales sc, Scales of, int64_t NB,
+             int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N, bool accumulate) {
+  const int64_t CB = group_bytes(BITS, g);
+  const std::vector<float> xsum = group_sums<BITS, OFF>(x, M, G, g);
+  std::vector<uint16_t> a(3 * M * K);
+  amx_limbs(x, M, K, K, BITS == 4, a.data());
+#pragma omp parallel
+  {
+    float res[2][AMX_ROWS * L];
+    int64_t configured = 0;
+    // blocks in pairs (they share the limbs' tile loads) while each block's accumulators fit the registers
+    const int64_t per = M <= AMX_PAIR_ROWS ? 2 : 1;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < (NB + per - 1) / per; ++p) {
+      const int64_t b = p * per, nb = std::min<int64_t>(per, NB - b);
+      const uint8_t* cb = codes + b * G * CB;
+      const auto [sb, ob] = block_scales(sc, of, b, G);
+      BlockSc next{};  // the pair's second block: K forms expanded into a buffer of its own (block_scales keeps one)
+      if (nb == 2) {
+        thread_local std::vector<float> kept;
+        if (sc.k() && (int64_t)kept.size() < 2 * G * L) kept.resize(2 * G * L);
+        float* buf = sc.k() ? kept.data() : nullptr;
+        next = {expand_block(sc + (b + 1) * G * L, G, buf), expand_block(of + (b + 1) * G * L, G, buf ? buf + G * L : nullptr)};
+      }
+      for (int64_t m0 = 0; m0 < M;) {
+        const int64_t mc = std::min<int64_t>(M - m0, AMX_ROWS);
+        if (mc != configured) amx_config(configured = mc);
+        const float* xs = xsum.empty() ? nullptr : xsum.data() + m0 * G;
+        const uint16_t* am = a.data() + 3 * m0 * K;
+        if (nb == 2) {
+          amx_rows2<BITS, OFF>(mc, am, K, G, cb, sb, ob, cb + G * CB, next.s, next.o, xs, z, res[0], res[1]);
+        } else {
+          amx_rows<BITS, OFF>(mc, am, K, G, cb, sb, ob, xs, z, res[0]);
+        }
+        for (int64_t i = 0; i < nb; ++i) {
+          const int64_t bi = b + i, rows = std::min<int64_t>(L, N - bi * L);
+          store_tile(res[i], mc, y + m0 * ldy + bi * L, ldy, rows, bias ? bias + bi * L : nullptr, accumulate);
+        }
+        m0 += mc;
+      }
+    }
+    if (configured) amx_release();
+  }
+}
+
 template <int BITS, bool OFF>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales sc, Scales of, int64_t NB,
          int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N, bool accumulate) {
+  if constexpr (BITS == 4 || BITS == 5) {
+    if (amx_takes<BITS>(g)) {
+      run_amx<BITS, OFF>(x, M, K, codes, sc, of, NB, G, g, z, bias, y, ldy, N, accumulate);
+      return;
+    }
+  }
   const int64_t CB = group_bytes(BITS, g);
   const std::vector<float> xsum = group_sums<BITS, OFF>(x, M, G, g);
 #pragma omp parallel for schedule(static)
