@@ -127,8 +127,6 @@ def built_extension() -> Any:
     return ext
 
 
-
-
 def matrix_unit() -> str:
     """Where the exact kernels' group sums run: 'amx' (4- and 5-bit codes on AMX tiles, bfloat16 limbs of the
     activations: qlinear_amx.cpp) or 'fma' (the float32 FMA kernels). ``SELFSPEC_AMX=0`` turns AMX off."""

@@ -188,7 +188,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qargmax", &qargmax, "each row's argmax of x @ W^T, screened by the int8 kernel (greedy verification)", nogil);
   m.def("qlinear_i8_vnni", &qlinear_i8_vnni, "whether qlinear_i8 uses AVX-512 VNNI");
   m.def("amx_available", &qcodes::amx_available, "whether this build has AMX and Linux granted the tile state");
-  m.def("amx_on", &qcodes::amx_on, "whether qlinear takes AMX tiles for 4-bit codes (amx_available, not turned off)");
+  m.def("amx_on", &qcodes::amx_on, "whether qlinear takes AMX tiles for 4- and 5-bit codes (amx_available, not turned off)");
   m.def("set_amx", &qcodes::amx_set, "turn the AMX path on or off for this process (SELFSPEC_AMX=0 starts it off)");
   m.def("qcodes5_words", &qcodes5_words, "whether this build packs 5-bit codes as words (else nibbles and planes)");
   m.def("qdequant", &qdequant, "rows of a block-quantized packed weight as float32", nogil);

@@ -175,17 +175,19 @@ inline Sc expand_block(Scales s, int64_t G, float* out) {
   return {out, false};
 }
 
-// Block b's scales and offsets for the tiles (expand_block); a K form's go into this thread's buffer (two blocks'
-// worth, grown as needed and kept between calls). Offsets without a pointer stay empty.
+// Block b's scales and offsets for the tiles (expand_block); a K form's go into this thread's buffer (grown as needed
+// and kept between calls), one per slot, so that two blocks' (slot 0, 1: a pair on AMX tiles) are alive at once.
+// Offsets without a pointer stay empty.
 struct BlockSc {
   Sc s, o;
 };
-inline BlockSc block_scales(Scales sc, Scales of, int64_t b, int64_t G) {
+inline BlockSc block_scales(Scales sc, Scales of, int64_t b, int64_t G, int slot = 0) {
   float* buf = nullptr;
   if (sc.k()) {
-    thread_local std::vector<float> kept;
-    if ((int64_t)kept.size() < 2 * G * L) kept.resize(2 * G * L);
-    buf = kept.data();
+    thread_local std::vector<float> kept[2];
+    std::vector<float>& k = kept[slot];
+    if ((int64_t)k.size() < 2 * G * L) k.resize(2 * G * L);
+    buf = k.data();
   }
   return {expand_block(sc + b * G * L, G, buf), expand_block(of + b * G * L, G, buf ? buf + G * L : nullptr)};
 }
@@ -325,19 +327,22 @@ inline void store_tile(const float* res, int64_t mc, float* y, int64_t ldy, int6
     }
 }
 
-// qlinear_amx.cpp: the exact kernel's group sums on AMX tiles, for 4-bit codes in groups of 32. amx_on(): the build
-// has AMX, Linux granted the tile state, and neither SELFSPEC_AMX=0 nor amx_set(false) turned it off; qlinear's run
-// and tile_rows then take it for every row count, so that qlinear and qargmax agree bit for bit.
+// qlinear_amx.cpp: the exact kernel's group sums on AMX tiles, for 4- and 5-bit codes in groups of 32 (AMX_CODES).
+// amx_on(): the build has AMX, Linux granted the tile state, and neither SELFSPEC_AMX=0 nor amx_set(false) turned
+// it off; qlinear's run and tile_rows then take it for every row count, so that qlinear and qargmax agree bit for
+// bit.
 bool amx_available();
 bool amx_on();
 void amx_set(bool on);
-constexpr int64_t AMX_ROWS = 16;  // x-rows per call of amx_rows (48 limb rows: three tiles)
-// x [M, ldx] -> out [3 M, K] bfloat16: row 3 m + l is x-row m's limb l (x = x0 + x1 + x2 exactly), its columns
-// in the order of the codes' B tiles (swap: 4-bit codes, 0 2 1 3 in every four)
+template <int BITS>
+constexpr bool AMX_CODES = BITS == 4 || BITS == 5;  // the code widths the tiles take
+constexpr int64_t AMX_ROWS = 16;  // x-rows per call of amx_rows (a tile's rows)
+// x [M, ldx] -> out [M, K / 32, 3, 32] bfloat16: each x-row's groups, each group's three limbs (x = x0 + x1 + x2
+// exactly), its columns in the order of the codes' B tiles (swap: 4-bit codes, 0 2 1 3 in every four)
 void amx_limbs(const float* x, int64_t M, int64_t K, int64_t ldx, bool swap, uint16_t* out);
 void amx_config(int64_t mc);  // this thread's tiles for mc <= AMX_ROWS x-rows
 void amx_release();
-// res[mc][16] for one block, as tile_rows: a = the mc rows' limbs (amx_limbs), readable 16 rows past 3 mc
+// res[mc][16] for one block, as tile_rows: a = the mc rows' limbs (amx_limbs)
 template <int BITS, bool OFF>
 void amx_rows(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_t* cb, Sc sc, Sc of, const float* xs,
               float z, float* res);
@@ -348,7 +353,7 @@ void amx_rows2(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_
 constexpr int64_t AMX_PAIR_ROWS = 8;  // up to this many x-rows, qlinear's run takes blocks in pairs (registers)
 template <int BITS>
 inline bool amx_takes(int64_t g) {
-  return (BITS == 4 || BITS == 5) && g == 32 && amx_on();
+  return AMX_CODES<BITS> && g == 32 && amx_on();
 }
 
 // M(BITS, OFF) for every code width and offset case dispatch covers (explicit instantiations of the tile functions).

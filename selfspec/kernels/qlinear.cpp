@@ -226,7 +226,7 @@ namespace qcodes {
 template <int BITS, bool OFF>
 void tile_rows(int64_t mc, const float* xm, int64_t K, int64_t G, int64_t g, const uint8_t* cb, Sc sb, Sc ob,
                const float* xs, float z, float* res) {
-  if constexpr (BITS == 4 || BITS == 5) {
+  if constexpr (AMX_CODES<BITS>) {
     if (amx_takes<BITS>(g)) {
       thread_local std::vector<uint16_t> a;
       a.resize(3 * mc * K);
@@ -279,13 +279,7 @@ void run_amx(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales 
       const int64_t b = p * per, nb = std::min<int64_t>(per, NB - b);
       const uint8_t* cb = codes + b * G * CB;
       const auto [sb, ob] = block_scales(sc, of, b, G);
-      BlockSc next{};  // the pair's second block: K forms expanded into a buffer of its own (block_scales keeps one)
-      if (nb == 2) {
-        thread_local std::vector<float> kept;
-        if (sc.k() && (int64_t)kept.size() < 2 * G * L) kept.resize(2 * G * L);
-        float* buf = sc.k() ? kept.data() : nullptr;
-        next = {expand_block(sc + (b + 1) * G * L, G, buf), expand_block(of + (b + 1) * G * L, G, buf ? buf + G * L : nullptr)};
-      }
+      const BlockSc next = nb == 2 ? block_scales(sc, of, b + 1, G, 1) : BlockSc{};
       for (int64_t m0 = 0; m0 < M;) {
         const int64_t mc = std::min<int64_t>(M - m0, AMX_ROWS);
         if (mc != configured) amx_config(configured = mc);
@@ -310,7 +304,7 @@ void run_amx(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales 
 template <int BITS, bool OFF>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales sc, Scales of, int64_t NB,
          int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N, bool accumulate) {
-  if constexpr (BITS == 4 || BITS == 5) {
+  if constexpr (AMX_CODES<BITS>) {
     if (amx_takes<BITS>(g)) {
       run_amx<BITS, OFF>(x, M, K, codes, sc, of, NB, G, g, z, bias, y, ldy, N, accumulate);
       return;

@@ -282,7 +282,7 @@ void amx_release() { _tile_release(); }
 template <int BITS, bool OFF>
 void amx_rows(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_t* cb, Sc sc, Sc of,
               const float* xs, float z, float* res) {
-  static_assert(BITS == 4 || BITS == 5, "AMX tiles take 4- and 5-bit codes");
+  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
   const Block blk[1] = {{cb, sc, of, res}};
   rows_amx<BITS, OFF, 1>(mc, a, K, G, blk, xs, z);
 }
@@ -290,7 +290,7 @@ void amx_rows(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_t
 template <int BITS, bool OFF>
 void amx_rows2(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_t* cb0, Sc sc0, Sc of0,
                const uint8_t* cb1, Sc sc1, Sc of1, const float* xs, float z, float* res0, float* res1) {
-  static_assert(BITS == 4 || BITS == 5, "AMX tiles take 4- and 5-bit codes");
+  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
   const Block blk[2] = {{cb0, sc0, of0, res0}, {cb1, sc1, of1, res1}};
   rows_amx<BITS, OFF, 2>(mc, a, K, G, blk, xs, z);
 }
