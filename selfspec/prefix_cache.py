@@ -9,8 +9,9 @@ Exact, not approximate: a reused row is bit for bit the row a full prefill of th
 output of a request never depends on what was cached before it. That holds because of how the fast backend
 computes a prefill's rows (checked on both bundled models, `tests/test_prefix_cache.py`):
 
-- every linear layer of 32 rows or more (PANEL_ROWS) goes through the panel kernel (``qgemm``), whose result
-  for a row depends on that row alone, not on how many rows are computed with it or where it sits among them;
+- every linear layer of 32 rows or more (PANEL_ROWS) goes through the panel kernel (``qgemm``), or on AMX tiles
+  through the decoding kernel (``kernel_rows_independent``), whose result for a row depends on that row alone, not
+  on how many rows are computed with it or where it sits among them;
 - the compiled attention computes each query row on its own over the cache's keys, in the same order whatever
   the rows around it;
 - everything else (norms, rotary, the MLP's gate) is row by row.
@@ -94,9 +95,10 @@ def why_not_exact(split: SplitModel) -> str | None:
             elif isinstance(m, nn.Linear):
                 return "the cache needs every layer's matrices block-quantized"
     paths = {t: weight.prefill_path(t) for t in sorted(types)}
-    other = {t: p for t, p in paths.items() if p != "panels"}
+    other = {t: p for t, p in paths.items()
+             if p != "panels" and not (p == "kernel" and weight.kernel_rows_independent(t))}
     if other:
-        return f"this machine's prefill takes the {', '.join(f'{p} path for {t}' for t, p in other.items())} (only the panels give a row the same bits in any call)"
+        return f"this machine's prefill takes the {', '.join(f'{p} path for {t}' for t, p in other.items())} (only the panels, and the kernel on AMX tiles, give a row the same bits in any call)"
     return None
 
 

@@ -119,6 +119,19 @@ def test_amx_rows_are_independent_of_the_block(ext, type_name):
 
 
 @needs_amx
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K"])
+def test_a_prefills_rows_are_each_rows_own(ext, type_name):
+    """Past a tile of rows the kernel decodes each block once for many rows, in pairs of blocks and chunks of rows
+    (two chunks here, an odd block count): every row is still bit for bit the row computed alone."""
+    n, k = 37, 4096
+    qw = QuantWeight.from_gguf(random_tensor(type_name, n, k, seed=5), type_name, k)
+    x = torch.randn(200, k, generator=torch.Generator().manual_seed(5))
+    whole = product(ext, qw, x, True)
+    for a, b in ((0, 1), (16, 17), (85, 90), (60, 140), (199, 200)):
+        assert torch.equal(product(ext, qw, x[a:b].contiguous(), True), whole[a:b]), (a, b)
+
+
+@needs_amx
 @pytest.mark.parametrize("type_name", FMA_TYPES)
 def test_byte_codes_keep_the_fma_kernels(ext, type_name):
     n, k = 37, 256 * 2

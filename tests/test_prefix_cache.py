@@ -16,6 +16,7 @@ from selfspec.batch.scheduler import BatchConfig, Scheduler, decode_batch
 from selfspec.config import GenerateConfig
 from selfspec.drafting.policies import make_policy
 from selfspec.errors import InvalidConfigError
+from selfspec.kernels.build import built_extension
 from selfspec.prefix_cache import MIN_ROWS, common_prefix
 from selfspec.quant import weight
 from selfspec.quant.convert import QUANTIZE_TYPES, quantize_model
@@ -60,7 +61,11 @@ def test_a_reused_prefix_gives_a_full_prefills_bits(panels, arch, type_name):
     """Every block type and architecture: keys, values and the next step's logits after a reuse are a full
     prefill's, bit for bit."""
     model = k_quant_model(type_name) if type_name.endswith("_K") else quantize_model(tiny_model(arch), type_name)
-    ss = SelfSpec(model, None)
+    reuse_is_exact(SelfSpec(model, None))
+
+
+def reuse_is_exact(ss: SelfSpec) -> None:
+    """A prompt's reused prefix: keys, values and the next step's logits are a full prefill's, bit for bit."""
     assert ss.prefix_cache.off is None
     a = prompt_of(40, 1)
     b = a + prompt_of(50, 2)
@@ -80,6 +85,23 @@ def test_a_reused_prefix_gives_a_full_prefills_bits(panels, arch, type_name):
         hw = ss.split.forward_all(ids, warm.positions(len(b), 1), warm.cache)
         hc = ss.split.forward_all(ids, cold.positions(len(b), 1), cold.cache)
     assert torch.equal(ss.split.logits(hw), ss.split.logits(hc))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K"])
+def test_on_amx_tiles_the_kernels_prefill_reuses_exactly(monkeypatch, type_name):
+    """On AMX a row's sums are its own in any call, so a prefill through the decoding kernel keeps the cache on and
+    exact; with the FMA kernels (AMX turned off) the same path turns it off."""
+    ext = built_extension()
+    if not ext.amx_on():
+        pytest.skip("needs AMX (amx_tile, amx_bf16), Linux's tile state and SELFSPEC_AMX not 0")
+    monkeypatch.setattr(weight, "prefill_path", lambda type_name: "kernel")
+    model = k_quant_model(type_name) if type_name.endswith("_K") else quantize_model(tiny_model("llama"), type_name)
+    reuse_is_exact(SelfSpec(model, None))
+    try:
+        ext.set_amx(False)
+        assert f"kernel path for {type_name}" in (SelfSpec(model, None).prefix_cache.off or "")
+    finally:
+        ext.set_amx(True)  # it was on (above)
 
 
 def test_the_int8_mode_reuses_exactly_too():

@@ -61,6 +61,7 @@ using simd::vf;
 using simd::VL;
 
 constexpr int L = 16;  // output rows per block
+constexpr int64_t CALL_ROWS = 16;  // the FMA kernels take a prefill's rows in runs of this many (as separate calls)
 constexpr int MCMAX = 8;   // x-rows per tile (not 16 on AVX-512: 16 row pointers spill; AVX2: tile_halves)
 constexpr int NV = L / VL;  // vectors per block row
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
@@ -337,8 +338,9 @@ void amx_set(bool on);
 template <int BITS>
 constexpr bool AMX_CODES = BITS == 4 || BITS == 5;  // the code widths the tiles take
 constexpr int64_t AMX_ROWS = 16;  // x-rows per call of amx_rows (a tile's rows)
-// x [M, ldx] -> out [M, K / 32, 3, 32] bfloat16: each x-row's groups, each group's three limbs (x = x0 + x1 + x2
-// exactly), its columns in the order of the codes' B tiles (swap: 4-bit codes, 0 2 1 3 in every four)
+// x [M, ldx] -> out, per tile of AMX_ROWS x-rows (mc rows in the last), [K / 32, 3, mc, 32] bfloat16: each group's
+// three limbs (x = x0 + x1 + x2 exactly) as A tiles of contiguous rows, their columns in the order of the codes' B
+// tiles (swap: 4-bit codes, 0 2 1 3 in every four)
 void amx_limbs(const float* x, int64_t M, int64_t K, int64_t ldx, bool swap, uint16_t* out);
 void amx_config(int64_t mc);  // this thread's tiles for mc <= AMX_ROWS x-rows
 void amx_release();
@@ -350,6 +352,17 @@ void amx_rows(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_t
 template <int BITS, bool OFF>
 void amx_rows2(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_t* cb0, Sc sc0, Sc of0,
                const uint8_t* cb1, Sc sc1, Sc of1, const float* xs, float z, float* res0, float* res1);
+// a prefill's tiles of x-rows share each block's B tiles, decoded once: amx_decode's out # [G, 16 * 32] bf16
+template <int BITS>
+void amx_decode(const uint8_t* cb, int64_t G, float z, uint16_t* out);
+// res[mc][16] for one block as amx_rows gives it, its B tiles from amx_decode (b)
+template <int BITS, bool OFF>
+void amx_rows_pre(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint16_t* b, Sc sc, Sc of,
+                  const float* xs, float* res);
+template <int BITS, bool OFF>
+void amx_rows2_pre(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint16_t* b0, Sc sc0, Sc of0,
+                   const uint16_t* b1, Sc sc1, Sc of1, const float* xs, float* res0, float* res1);
+constexpr int64_t AMX_CHUNK_BYTES = 2 << 20;  // a prefill's x-rows per pass over the blocks: their limbs' bytes
 constexpr int64_t AMX_PAIR_ROWS = 8;  // up to this many x-rows, qlinear's run takes blocks in pairs (registers)
 template <int BITS>
 inline bool amx_takes(int64_t g) {

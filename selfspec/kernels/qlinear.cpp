@@ -260,12 +260,63 @@ SELFSPEC_EACH_CODE(SELFSPEC_INSTANTIATE)
 
 namespace {
 
+// More x-rows than a tile (a prefill): in chunks of rows whose limbs stay in L2, each block's B tiles decoded once a
+// chunk and shared by its tiles of rows. A row's arithmetic is amx_rows' (the same tiles in the same order).
+template <int BITS, bool OFF>
+void run_amx_chunks(const float* x, const std::vector<float>& xsum, int64_t M, int64_t K, const uint8_t* codes,
+                    Scales sc, Scales of, int64_t NB, int64_t G, int64_t CB, float z, const float* bias, float* y,
+                    int64_t ldy, int64_t N, bool accumulate) {
+  const int64_t chunk = std::max<int64_t>(AMX_ROWS, AMX_CHUNK_BYTES / (6 * K) / AMX_ROWS * AMX_ROWS);
+  thread_local std::vector<uint16_t> limbs;  // one chunk's (kept between calls: a prefill makes hundreds)
+  limbs.resize(3 * std::min(M, chunk) * K);
+  uint16_t* a = limbs.data();
+#pragma omp parallel
+  {
+    float res[2][AMX_ROWS * L];
+    std::vector<uint16_t> bdec(2 * G * 16 * 32 + 32);
+    uint16_t* bp = (uint16_t*)(((uintptr_t)bdec.data() + 63) & ~(uintptr_t)63);
+    uint16_t* bq = bp + G * 16 * 32;
+    int64_t configured = 0;
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+      const int64_t c1 = std::min(M, c0 + chunk);
+#pragma omp for schedule(static)
+      for (int64_t t = c0; t < c1; t += AMX_ROWS)  // the chunk's limbs, a tile of rows at a time
+        amx_limbs(x + t * K, std::min<int64_t>(AMX_ROWS, c1 - t), K, K, BITS == 4, a + 3 * (t - c0) * K);
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < (NB + 1) / 2; ++p) {  // blocks in pairs: they share the limbs' tile loads
+        const int64_t b = 2 * p, nb = std::min<int64_t>(2, NB - b);
+        const auto [sb, ob] = block_scales(sc, of, b, G);
+        const BlockSc next = nb == 2 ? block_scales(sc, of, b + 1, G, 1) : BlockSc{};
+        amx_decode<BITS>(codes + b * G * CB, G, z, bp);
+        if (nb == 2) amx_decode<BITS>(codes + (b + 1) * G * CB, G, z, bq);
+        for (int64_t m0 = c0; m0 < c1; m0 += AMX_ROWS) {
+          const int64_t mc = std::min<int64_t>(c1 - m0, AMX_ROWS);
+          if (mc != configured) amx_config(configured = mc);
+          const float* xs = xsum.empty() ? nullptr : xsum.data() + m0 * G;
+          const uint16_t* am = a + 3 * (m0 - c0) * K;
+          if (nb == 2) amx_rows2_pre<BITS, OFF>(mc, am, K, G, bp, sb, ob, bq, next.s, next.o, xs, res[0], res[1]);
+          else amx_rows_pre<BITS, OFF>(mc, am, K, G, bp, sb, ob, xs, res[0]);
+          for (int64_t i = 0; i < nb; ++i) {
+            const int64_t bi = b + i, rows = std::min<int64_t>(L, N - bi * L);
+            store_tile(res[i], mc, y + m0 * ldy + bi * L, ldy, rows, bias ? bias + bi * L : nullptr, accumulate);
+          }
+        }
+      }
+    }
+    if (configured) amx_release();
+  }
+}
+
 // run on AMX tiles (amx_takes): the x-rows' limbs made once, then each block's rows in calls of up to AMX_ROWS.
 template <int BITS, bool OFF>
 void run_amx(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales sc, Scales of, int64_t NB,
              int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N, bool accumulate) {
   const int64_t CB = group_bytes(BITS, g);
   const std::vector<float> xsum = group_sums<BITS, OFF>(x, M, G, g);
+  if (M > AMX_ROWS) {
+    run_amx_chunks<BITS, OFF>(x, xsum, M, K, codes, sc, of, NB, G, CB, z, bias, y, ldy, N, accumulate);
+    return;
+  }
   std::vector<uint16_t> a(3 * M * K);
   amx_limbs(x, M, K, K, BITS == 4, a.data());
 #pragma omp parallel
@@ -309,6 +360,12 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales sc, 
       run_amx<BITS, OFF>(x, M, K, codes, sc, of, NB, G, g, z, bias, y, ldy, N, accumulate);
       return;
     }
+  }
+  if (M > CALL_ROWS) {  // a prefill's rows in calls of CALL_ROWS (their x-rows stay in cache over the blocks)
+    for (int64_t s = 0; s < M; s += CALL_ROWS)
+      run<BITS, OFF>(x + s * K, std::min<int64_t>(CALL_ROWS, M - s), K, codes, sc, of, NB, G, g, z, bias,
+                     y + s * ldy, ldy, N, accumulate);
+    return;
   }
   const int64_t CB = group_bytes(BITS, g);
   const std::vector<float> xsum = group_sums<BITS, OFF>(x, M, G, g);

@@ -15,7 +15,7 @@
 // call, pair of blocks or tile it falls in.
 //
 // Tiles (one 16-output block, one group of 32 columns, one limb at a time):
-//     A  # [mc, 32] bf16       the x-rows' limb l of the group (amx_limbs: [mc, G, 3, 32], mc <= 16)
+//     A  # [mc, 32] bf16       the x-rows' limb l of the group (amx_limbs: [G, 3, mc, 32] a tile of mc <= 16 rows)
 //     B  # [16, 16 x 2] bf16   the block's codes in pairs of columns: row p holds two columns of each output row
 //     C  # [mc, 16] fp32       sum over the limbs of A B^T, stored and scaled per x-row with the group's scale
 // Tiles per group: each limb's A (tmm4, 5) against the block's B (tmm6; a pair of blocks shares the limbs' loads,
@@ -30,6 +30,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -162,19 +163,19 @@ struct TileConfig {
   if constexpr (NBK == 2) _tile_loadd(7, bbuf[1], 64);             \
   _tile_zero(C0);                                                  \
   if constexpr (NBK == 2) _tile_zero(C1);                          \
-  _tile_loadd(4, a + (3 * j) * 32, ld);                            \
+  _tile_loadd(4, a + (3 * j) * tile, 64);                            \
   _tile_dpbf16ps(C0, 4, 6);                                        \
   if constexpr (NBK == 2) _tile_dpbf16ps(C1, 4, 7);                \
-  _tile_loadd(5, a + (3 * j + 1) * 32, ld);                        \
+  _tile_loadd(5, a + (3 * j + 1) * tile, 64);                        \
   _tile_dpbf16ps(C0, 5, 6);                                        \
   if constexpr (NBK == 2) _tile_dpbf16ps(C1, 5, 7);                \
-  _tile_loadd(4, a + (3 * j + 2) * 32, ld);                        \
+  _tile_loadd(4, a + (3 * j + 2) * tile, 64);                        \
   _tile_dpbf16ps(C0, 4, 6);                                        \
   if constexpr (NBK == 2) _tile_dpbf16ps(C1, 4, 7);                \
   _tile_stored(C0, cbuf[0], 64);                                   \
   if constexpr (NBK == 2) _tile_stored(C1, cbuf[1], 64);
 template <int NBK, int P>
-inline void group_tiles(const uint16_t* a, int64_t ld, int64_t j, const uint16_t* const* bbuf, float* const* cbuf) {
+inline void group_tiles(const uint16_t* a, int64_t tile, int64_t j, const uint16_t* const* bbuf, float* const* cbuf) {
   if constexpr (P == 0) {
     SELFSPEC_AMX_GROUP(0, 1)
   } else {
@@ -203,37 +204,50 @@ struct Block {
   float* res;
 };
 
-template <int BITS, bool OFF, int NBK>
-void rows_amx(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const Block* blk, const float* xs, float z) {
-  constexpr int64_t CB = BITS == 4 ? 256 : 320;  // bytes of a group of 16 x 32 codes
+template <int BITS>
+inline __m512i code_table(float z) {  // vpermw's table: code i -> bf16(i - z) (4 bits: i & 15)
   alignas(64) uint16_t table_v[32];
   for (int i = 0; i < 32; ++i) {
     const float v = (float)(BITS == 4 ? i & 15 : i) - z;
     table_v[i] = (uint16_t)(_mm_cvtsi128_si32((__m128i)_mm_cvtneps_pbh(_mm_set_ss(v))) & 0xffff);
   }
-  const __m512i table = _mm512_load_si512(table_v);
-  const int64_t ld = 3 * K * 2;  // bytes from one x-row's limbs to the next's
-  alignas(64) uint16_t bbuf[NBK][4][16 * 32];
+  return _mm512_load_si512(table_v);
+}
+
+// PRE: each block's B tiles were decoded beforehand (amx_decode: pre[i] # [G, 16 * 32]), as a prefill's many tiles
+// of x-rows share them; else each group's tile is decoded here, two groups ahead.
+template <int BITS, bool OFF, int NBK, bool PRE>
+void rows_amx(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const Block* blk, const float* xs, float z,
+              const uint16_t* const* pre) {
+  constexpr int64_t CB = BITS == 4 ? 256 : 320;  // bytes of a group of 16 x 32 codes
+  const __m512i table = PRE ? __m512i{} : code_table<BITS>(z);
+  const int64_t tile = mc * 32;  // elements of one limb's A tile (amx_limbs: [G, 3, mc, 32])
+  alignas(64) uint16_t bbuf[NBK][PRE ? 1 : 4][16 * 32];
   alignas(64) float cbuf[2][NBK][16 * 16];
   __m512 acc[NBK][16];
   for (int i = 0; i < NBK; ++i)
     for (int64_t m = 0; m < mc; ++m) acc[i][m] = _mm512_setzero_ps();
   constexpr int64_t LEAD = 2;
-  for (int64_t j = 0; j < LEAD && j < G; ++j)
-    for (int i = 0; i < NBK; ++i) decode_b<BITS>(blk[i].cb + j * CB, bbuf[i][j % 4], table);
+  if constexpr (!PRE)
+    for (int64_t j = 0; j < LEAD && j < G; ++j)
+      for (int i = 0; i < NBK; ++i) decode_b<BITS>(blk[i].cb + j * CB, bbuf[i][j % 4], table);
   for (int64_t j = 0; j < G; ++j) {
     const uint16_t* bj[NBK];
     float* cj[NBK];
     float* cprev[NBK];
     for (int i = 0; i < NBK; ++i) {
-      prefetch_group<OFF>(blk[i].cb, CB, blk[i].sc, blk[i].of, j);
-      if (j + LEAD < G) decode_b<BITS>(blk[i].cb + (j + LEAD) * CB, bbuf[i][(j + LEAD) % 4], table);
-      bj[i] = bbuf[i][j % 4];
+      if constexpr (PRE) {
+        bj[i] = pre[i] + j * 16 * 32;
+      } else {
+        prefetch_group<OFF>(blk[i].cb, CB, blk[i].sc, blk[i].of, j);
+        if (j + LEAD < G) decode_b<BITS>(blk[i].cb + (j + LEAD) * CB, bbuf[i][(j + LEAD) % 4], table);
+        bj[i] = bbuf[i][j % 4];
+      }
       cj[i] = cbuf[j % 2][i];
       cprev[i] = cbuf[1 - j % 2][i];
     }
-    if (j % 2 == 0) group_tiles<NBK, 0>(a, ld, j, bj, cj);
-    else group_tiles<NBK, 1>(a, ld, j, bj, cj);
+    if (j % 2 == 0) group_tiles<NBK, 0>(a, tile, j, bj, cj);
+    else group_tiles<NBK, 1>(a, tile, j, bj, cj);
     if (j > 0)
       for (int i = 0; i < NBK; ++i) extract<OFF>(mc, cprev[i], blk[i].sc, blk[i].of, xs, G, j - 1, acc[i]);
   }
@@ -248,18 +262,21 @@ void rows_amx(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const Block* 
 void amx_limbs(const float* x, int64_t M, int64_t K, int64_t ldx, bool swap, uint16_t* out) {
   const __m512i order = swap ? _mm512_set_epi32(15, 13, 14, 12, 11, 9, 10, 8, 7, 5, 6, 4, 3, 1, 2, 0)
                              : _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t t0 = m / AMX_ROWS * AMX_ROWS, mc = std::min<int64_t>(AMX_ROWS, M - t0);
+    uint16_t* ot = out + t0 * 3 * K + (m - t0) * 32;  // row m's tile, row m - t0 of each of its A tiles
     for (int64_t k = 0; k < K; k += 16) {
       const __m512 v = _mm512_permutexvar_ps(order, _mm512_loadu_ps(x + m * ldx + k));
       const __m256i h0 = to_bf16(v);
       const __m512 r1 = _mm512_sub_ps(v, widen_bf16(h0));
       const __m256i h1 = to_bf16(r1);
       const __m256i h2 = to_bf16(_mm512_sub_ps(r1, widen_bf16(h1)));
-      uint16_t* o = out + m * 3 * K + (k / 32) * 96 + k % 32;  // x-row m, group k / 32: limbs 0, 1, 2
+      uint16_t* o = ot + (k / 32) * 3 * mc * 32 + k % 32;  // group k / 32: limbs 0, 1, 2 (one A tile each)
       _mm256_storeu_si256((__m256i*)o, h0);
-      _mm256_storeu_si256((__m256i*)(o + 32), h1);
-      _mm256_storeu_si256((__m256i*)(o + 64), h2);
+      _mm256_storeu_si256((__m256i*)(o + mc * 32), h1);
+      _mm256_storeu_si256((__m256i*)(o + 2 * mc * 32), h2);
     }
+  }
 }
 
 void amx_config(int64_t mc) {
@@ -284,7 +301,33 @@ void amx_rows(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_t
               const float* xs, float z, float* res) {
   static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
   const Block blk[1] = {{cb, sc, of, res}};
-  rows_amx<BITS, OFF, 1>(mc, a, K, G, blk, xs, z);
+  rows_amx<BITS, OFF, 1, false>(mc, a, K, G, blk, xs, z, nullptr);
+}
+
+template <int BITS>
+void amx_decode(const uint8_t* cb, int64_t G, float z, uint16_t* out) {
+  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
+  constexpr int64_t CB = BITS == 4 ? 256 : 320;
+  const __m512i table = code_table<BITS>(z);
+  for (int64_t j = 0; j < G; ++j) decode_b<BITS>(cb + j * CB, out + j * 16 * 32, table);
+}
+
+template <int BITS, bool OFF>
+void amx_rows_pre(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint16_t* b, Sc sc, Sc of,
+                  const float* xs, float* res) {
+  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
+  const Block blk[1] = {{nullptr, sc, of, res}};
+  const uint16_t* pre[1] = {b};
+  rows_amx<BITS, OFF, 1, true>(mc, a, K, G, blk, xs, 0.f, pre);
+}
+
+template <int BITS, bool OFF>
+void amx_rows2_pre(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint16_t* b0, Sc sc0, Sc of0,
+                   const uint16_t* b1, Sc sc1, Sc of1, const float* xs, float* res0, float* res1) {
+  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
+  const Block blk[2] = {{nullptr, sc0, of0, res0}, {nullptr, sc1, of1, res1}};
+  const uint16_t* pre[2] = {b0, b1};
+  rows_amx<BITS, OFF, 2, true>(mc, a, K, G, blk, xs, 0.f, pre);
 }
 
 template <int BITS, bool OFF>
@@ -292,7 +335,7 @@ void amx_rows2(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_
                const uint8_t* cb1, Sc sc1, Sc of1, const float* xs, float z, float* res0, float* res1) {
   static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
   const Block blk[2] = {{cb0, sc0, of0, res0}, {cb1, sc1, of1, res1}};
-  rows_amx<BITS, OFF, 2>(mc, a, K, G, blk, xs, z);
+  rows_amx<BITS, OFF, 2, false>(mc, a, K, G, blk, xs, z, nullptr);
 }
 
 #else  // no AMX in this build: amx_on() is false and nothing below runs
@@ -305,6 +348,13 @@ void amx_rows(int64_t, const uint16_t*, int64_t, int64_t, const uint8_t*, Sc, Sc
 template <int BITS, bool OFF>
 void amx_rows2(int64_t, const uint16_t*, int64_t, int64_t, const uint8_t*, Sc, Sc, const uint8_t*, Sc, Sc,
                const float*, float, float*, float*) {}
+template <int BITS, bool OFF>
+void amx_rows2_pre(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, Sc, Sc, const uint16_t*, Sc, Sc,
+                   const float*, float*, float*) {}
+template <int BITS>
+void amx_decode(const uint8_t*, int64_t, float, uint16_t*) {}
+template <int BITS, bool OFF>
+void amx_rows_pre(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, Sc, Sc, const float*, float*) {}
 
 #endif
 
@@ -312,8 +362,14 @@ void amx_rows2(int64_t, const uint16_t*, int64_t, int64_t, const uint8_t*, Sc, S
   template void amx_rows<BITS, OFF>(int64_t, const uint16_t*, int64_t, int64_t, const uint8_t*, Sc, Sc, const float*, \
                                     float, float*);                                                                \
   template void amx_rows2<BITS, OFF>(int64_t, const uint16_t*, int64_t, int64_t, const uint8_t*, Sc, Sc,           \
-                                     const uint8_t*, Sc, Sc, const float*, float, float*, float*);
+                                     const uint8_t*, Sc, Sc, const float*, float, float*, float*);   \
+  template void amx_rows2_pre<BITS, OFF>(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, Sc, Sc,   \
+                                         const uint16_t*, Sc, Sc, const float*, float*, float*);                 \
+  template void amx_rows_pre<BITS, OFF>(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, Sc, Sc,    \
+                                        const float*, float*);
 SELFSPEC_INSTANTIATE(4, false) SELFSPEC_INSTANTIATE(4, true) SELFSPEC_INSTANTIATE(5, false) SELFSPEC_INSTANTIATE(5, true)
 #undef SELFSPEC_INSTANTIATE
+template void amx_decode<4>(const uint8_t*, int64_t, float, uint16_t*);
+template void amx_decode<5>(const uint8_t*, int64_t, float, uint16_t*);
 
 }  // namespace qcodes

@@ -25,7 +25,7 @@ from typing import overload
 import numpy as np
 import torch
 
-from selfspec.kernels.build import built_extension, cpu_flags, kernel_source_hash
+from selfspec.kernels.build import built_extension, cpu_flags, kernel_source_hash, matrix_unit
 from selfspec.paths import atomic_write_text, cache_root
 from selfspec.quant.formats import FORMATS, Factored, Format, Groups, decode_factored, values_of
 from selfspec.quant.numerics import NUMERICS, Numerics
@@ -74,8 +74,17 @@ def prefill_path(type_name: str) -> str:
     return _prefill_paths[type_name]
 
 
+def kernel_rows_independent(type_name: str) -> bool:
+    """Whether the decoding kernel gives a row of ``type_name`` the same bits in any call, as the panels do: on AMX
+    tiles (4- and 5-bit codes in groups of 32; ``matrix_unit``) each row's sums are its own. The FMA kernels' partial
+    sums follow the tile a row falls in."""
+    fmt = FORMATS[type_name]
+    return matrix_unit() == "amx" and fmt.bits in (4, 5) and fmt.group == 32
+
+
 def _measured_prefill_path(type_name: str) -> str:
-    key = json.dumps([cpu_flags(), torch.__version__, torch.get_num_threads(), kernel_source_hash(), type_name, PROBE])
+    key = json.dumps([cpu_flags(), torch.__version__, torch.get_num_threads(), kernel_source_hash(), matrix_unit(),
+                      type_name, PROBE])
     path = cache_root() / "prefill" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         ms = json.loads(path.read_text())["ms"]
@@ -222,7 +231,9 @@ class QuantWeight:
         ext = built_extension()
         b = bias if bias is not None else _NO_BIAS
         kernel = getattr(ext, self.mode.kernel)
-        if x.shape[0] <= KERNEL_ROWS:  # a decoding step: no slicing (each slice is an op on the hot path)
+        # a decoding step, or any rows for qlinear (its AMX path decodes each block once for many rows; the FMA
+        # kernels take them in runs of KERNEL_ROWS, as below): no slicing (each slice is an op on the hot path)
+        if x.shape[0] <= KERNEL_ROWS or self.mode.kernel == "qlinear":
             return kernel(x, *self.kernel_args(), b, out, accumulate)
         for s in range(0, x.shape[0], KERNEL_ROWS):
             e = min(x.shape[0], s + KERNEL_ROWS)
