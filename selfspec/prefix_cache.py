@@ -24,9 +24,9 @@ as both parts were computed in calls of at least 32 rows. Rows computed in small
 which a step or a block of up to 16 rows takes) differ in the last bits (~4e-5 on the keys), so the cache only
 stores rows of prefills of 32 rows or more, never the answer's rows from decoding steps, and a reuse always
 leaves at least 32 rows (MIN_ROWS, more if the drafter reads more, ``Drafter.prompt_rows_needed``) to prefill.
-Where any of this does not hold (a prefill path other than the panels on this machine, float weights, no
-compiled ops, transformers' modules) the cache stays off and says why (``PrefixCache.off``): it never trades
-exactness for speed.
+Where any of this does not hold (a prefill path other than the panels or the AMX kernel on this machine, float
+weights, no compiled ops, transformers' modules) the cache stays off and says why (``PrefixCache.off``): it never
+trades exactness for speed.
 
 Worked example (MIN_ROWS 32): turn 1 of a chat is 120 prompt tokens; its prefill (one call of 120 rows) is
 stored. Turn 2's prompt is those 120 tokens + the 64-token answer + 30 new tokens = 214: the longest cached

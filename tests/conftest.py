@@ -16,12 +16,12 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def _pin_prefill_paths() -> None:
     """A prefill's path per weight type is timed once per machine (``selfspec.quant.weight.prefill_path``); timed
     while the suite loads the machine it could come out otherwise than alone, and the prefix cache is on only with
-    the panels. The suite pins the panels, so what it asserts does not depend on a timing; tests of the timing or
-    of another path set their own."""
+    the panels (or the AMX kernel). The suite pins the panels for either matrix unit, so what it asserts does not
+    depend on a timing; tests of the timing or of another path set their own."""
     from selfspec.quant import weight
     from selfspec.quant.formats import FORMATS
 
-    weight._prefill_paths.update({name: "panels" for name in FORMATS})
+    weight._prefill_paths.update({(name, unit): "panels" for name in FORMATS for unit in ("amx", "fma")})
 
 
 _pin_prefill_paths()

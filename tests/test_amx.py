@@ -19,8 +19,10 @@ from test_quant import random_tensor
 from selfspec.kernels.build import built_extension, matrix_unit
 from selfspec.quant.weight import QuantWeight
 
-AMX_TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"]  # 4- and 5-bit codes in groups of 32
-FMA_TYPES = ["Q8_0", "Q6_K"]  # bytes: the FMA kernels on every CPU
+CODE_TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"]  # 4- and 5-bit codes in groups of 32: every call
+BYTE_TYPES = ["Q8_0", "Q6_K"]  # bytes in groups of 32 and 16: calls of AMX_BYTES_ROWS / more than 16 rows
+AMX_TYPES = CODE_TYPES + BYTE_TYPES  # every block type the engine runs
+FROM_ROWS = {"Q8_0": 8, "Q6_K": 17}  # qcodes.h's amx_takes: the fewest rows of a call that take the tiles
 
 
 def limbs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,16 +57,17 @@ def test_three_bfloat16_limbs_hold_a_float32_exactly():
     assert torch.equal(x0, x.to(torch.bfloat16))  # the first limb is x rounded, so x1, x2 are small
 
 
-def test_limb_arithmetic_is_float32_class_against_float64():
+@pytest.mark.parametrize(("group", "codes"), [(32, 8), (16, 128)])  # 4-bit codes in 32s, bytes in 16s (Q6_K's)
+def test_limb_arithmetic_is_float32_class_against_float64(group, codes):
     """The reference's group sums (exact products, float32 sums) are within the FMA kernels' bound of float64."""
     g = torch.Generator().manual_seed(1)
-    q = torch.randint(-8, 8, (48, 256), generator=g).float()
-    s = (torch.rand(48, 8, generator=g) * 0.01).half().float()
+    q = torch.randint(-codes, codes, (48, 256), generator=g).float()
+    s = (torch.rand(48, 256 // group, generator=g) * 0.01).half().float()
     x = torch.randn(5, 256, generator=g)
-    w = (q.view(48, 8, 32) * s[:, :, None]).view(48, 256)
+    w = (q.view(48, -1, group) * s[:, :, None]).view(48, 256)
     want = x.double() @ w.double().T
     bound = 1e-6 * (x.abs().double() @ w.abs().double().T)
-    assert ((limb_reference(x, q, s).double() - want).abs() <= bound).all()
+    assert ((limb_reference(x, q, s, group).double() - want).abs() <= bound).all()
 
 
 AMX = built_extension().amx_available()
@@ -106,7 +109,7 @@ def test_amx_product_is_as_accurate_as_the_fma_kernels(ext, type_name):
 
 
 @needs_amx
-@pytest.mark.parametrize("type_name", AMX_TYPES)
+@pytest.mark.parametrize("type_name", CODE_TYPES)
 def test_amx_rows_are_independent_of_the_block(ext, type_name):
     """A block of n rows gives bit for bit what each row gives alone, across calls of 16 rows and any remainder:
     a verification block is n single steps."""
@@ -119,25 +122,32 @@ def test_amx_rows_are_independent_of_the_block(ext, type_name):
 
 
 @needs_amx
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K", "Q8_0", "Q6_K"])
 def test_a_prefills_rows_are_each_rows_own(ext, type_name):
     """Past a tile of rows the kernel decodes each block once for many rows, in pairs of blocks and chunks of rows
-    (two chunks here, an odd block count): every row is still bit for bit the row computed alone."""
+    (three chunks here, an odd block count): every row is still bit for bit the row in a call of its own."""
     n, k = 37, 4096
     qw = QuantWeight.from_gguf(random_tensor(type_name, n, k, seed=5), type_name, k)
     x = torch.randn(200, k, generator=torch.Generator().manual_seed(5))
     whole = product(ext, qw, x, True)
-    for a, b in ((0, 1), (16, 17), (85, 90), (60, 140), (199, 200)):
+    for a, b in ((0, 17), (16, 33), (80, 100), (60, 140), (183, 200)):
         assert torch.equal(product(ext, qw, x[a:b].contiguous(), True), whole[a:b]), (a, b)
 
 
 @needs_amx
-@pytest.mark.parametrize("type_name", FMA_TYPES)
-def test_byte_codes_keep_the_fma_kernels(ext, type_name):
+@pytest.mark.parametrize("type_name", BYTE_TYPES)
+def test_bytes_take_the_tiles_from_enough_rows(ext, type_name):
+    """Bytes run on the tiles in calls of AMX_BYTES_ROWS rows or more (Q6_K: more than a tile's 16), each row there
+    its own; fewer rows (a step's LM head) keep the FMA kernels."""
     n, k = 37, 256 * 2
-    qw = QuantWeight.from_gguf(random_tensor(type_name, n, k, seed=2), type_name, k)
-    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(product(ext, qw, x, True), product(ext, qw, x, False))
+    qw = QuantWeight.from_gguf(random_tensor(type_name, n, k, seed=9), type_name, k)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(9))
+    whole = product(ext, qw, x, True)
+    first = FROM_ROWS[type_name]
+    for a, b in ((0, first), (3, 3 + first), (7, 40), (40 - first, 40)):
+        assert torch.equal(product(ext, qw, x[a:b].contiguous(), True), whole[a:b]), (a, b)
+    few = x[:first - 1].contiguous()
+    assert torch.equal(product(ext, qw, few, True), product(ext, qw, few, False))
 
 
 @needs_amx

@@ -112,7 +112,7 @@ int64_t qargmax(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor of
         const int64_t mc = std::min<int64_t>(M - m0, MCMAX);
         const float* xm = xp + m0 * K;
         const float* xs = xsum.empty() ? nullptr : xsum.data() + m0 * G;
-        tile_rows<BB, OO>(mc, xm, K, G, group, cb, sb, ob, xs, a.z, res);  // as run: qlinear's bits
+        tile_rows<BB, OO>(M, mc, xm, K, G, group, cb, sb, ob, xs, a.z, res);  // as run: qlinear's bits
         std::memcpy(exact.data() + (c * M + m0) * L, res, mc * L * sizeof(float));
         m0 += mc;
       }

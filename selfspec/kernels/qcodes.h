@@ -328,20 +328,24 @@ inline void store_tile(const float* res, int64_t mc, float* y, int64_t ldy, int6
     }
 }
 
-// qlinear_amx.cpp: the exact kernel's group sums on AMX tiles, for 4- and 5-bit codes in groups of 32 (AMX_CODES).
+// qlinear_amx.cpp: the exact kernel's group sums on AMX tiles, for 4- and 5-bit codes in groups of 32 and bytes in
+// groups of 16 or 32 (AMX_CODES, amx_takes).
 // amx_on(): the build has AMX, Linux granted the tile state, and neither SELFSPEC_AMX=0 nor amx_set(false) turned
-// it off; qlinear's run and tile_rows then take it for every row count, so that qlinear and qargmax agree bit for
-// bit.
+// it off; qlinear's run and tile_rows then take it for every row count (bytes: from AMX_BYTES_ROWS rows of a call),
+// so that qlinear and qargmax agree bit for bit.
 bool amx_available();
 bool amx_on();
 void amx_set(bool on);
 template <int BITS>
-constexpr bool AMX_CODES = BITS == 4 || BITS == 5;  // the code widths the tiles take
+constexpr bool AMX_CODES = BITS == 4 || BITS == 5 || BITS == 8;  // the code widths the tiles take
 constexpr int64_t AMX_ROWS = 16;  // x-rows per call of amx_rows (a tile's rows)
-// x [M, ldx] -> out, per tile of AMX_ROWS x-rows (mc rows in the last), [K / 32, 3, mc, 32] bfloat16: each group's
-// three limbs (x = x0 + x1 + x2 exactly) as A tiles of contiguous rows, their columns in the order of the codes' B
-// tiles (swap: 4-bit codes, 0 2 1 3 in every four)
-void amx_limbs(const float* x, int64_t M, int64_t K, int64_t ldx, bool swap, uint16_t* out);
+// bfloat16 limb values per activation in amx_limbs' layout: 3 (groups of 32), 4 (groups of 16: one limb padded)
+inline int64_t amx_width(int64_t g) { return g == 16 ? 4 : 3; }
+// x [M, ldx] -> out, per tile of AMX_ROWS x-rows (mc rows in the last), each group's three limbs (x = x0 + x1 + x2
+// exactly) as A tiles of contiguous rows: groups of 32 [K / 32, 3, mc, 32] (one limb a tile), groups of 16
+// [K / 16, 2, mc, 32] (x0 | x1, then x2 | zeros). Their columns come in the order of the codes' B tiles (swap: 4-bit
+// codes, 0 2 1 3 in every four).
+void amx_limbs(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t g, bool swap, uint16_t* out);
 void amx_config(int64_t mc);  // this thread's tiles for mc <= AMX_ROWS x-rows
 void amx_release();
 // res[mc][16] for one block, as tile_rows: a = the mc rows' limbs (amx_limbs)
@@ -354,7 +358,7 @@ void amx_rows2(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_
                const uint8_t* cb1, Sc sc1, Sc of1, const float* xs, float z, float* res0, float* res1);
 // a prefill's tiles of x-rows share each block's B tiles, decoded once: amx_decode's out # [G, 16 * 32] bf16
 template <int BITS>
-void amx_decode(const uint8_t* cb, int64_t G, float z, uint16_t* out);
+void amx_decode(const uint8_t* cb, int64_t G, int64_t g, float z, uint16_t* out);
 // res[mc][16] for one block as amx_rows gives it, its B tiles from amx_decode (b)
 template <int BITS, bool OFF>
 void amx_rows_pre(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint16_t* b, Sc sc, Sc of,
@@ -364,8 +368,15 @@ void amx_rows2_pre(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const ui
                    const uint16_t* b1, Sc sc1, Sc of1, const float* xs, float* res0, float* res1);
 constexpr int64_t AMX_CHUNK_BYTES = 2 << 20;  // a prefill's x-rows per pass over the blocks: their limbs' bytes
 constexpr int64_t AMX_PAIR_ROWS = 8;  // up to this many x-rows, qlinear's run takes blocks in pairs (registers)
+// Bytes take the tiles from this many rows of a call: their conversion to bfloat16 costs more than the tiles save
+// below it (docs/QUANTIZED.md), so a step's LM head stays on the FMA kernel. Bytes in groups of 16 (Q6_K: two tiles
+// and a read of the sums per 16 columns) gain only in a prefill, past one tile of rows.
+constexpr int64_t AMX_BYTES_ROWS = 8;
+// whether a call of M x-rows on groups of g takes the tiles (qlinear's run and qargmax decide it for the whole call)
 template <int BITS>
-inline bool amx_takes(int64_t g) {
+inline bool amx_takes(int64_t g, int64_t M) {
+  if constexpr (BITS == 8)
+    return ((g == 32 && M >= AMX_BYTES_ROWS) || (g == 16 && M > AMX_ROWS)) && amx_on();
   return AMX_CODES<BITS> && g == 32 && amx_on();
 }
 
@@ -514,10 +525,11 @@ constexpr bool VNNI = false;
 constexpr int64_t MC_I8 = VNNI ? 8 : 4;
 
 // mc <= MCMAX x-rows against one block (qlinear.cpp): xm [mc, K] (row stride K), the block's codes cb, scales sb and
-// offsets ob, xs its rows' group sums (group_sums) -> res[mc][16], as qlinear computes them.
+// offsets ob, xs its rows' group sums (group_sums) -> res[mc][16], as qlinear computes them in a call of call_rows
+// rows (which decides amx_takes).
 template <int BITS, bool OFF>
-void tile_rows(int64_t mc, const float* xm, int64_t K, int64_t G, int64_t g, const uint8_t* cb, Sc sb, Sc ob,
-               const float* xs, float z, float* res);
+void tile_rows(int64_t call_rows, int64_t mc, const float* xm, int64_t K, int64_t G, int64_t g, const uint8_t* cb,
+               Sc sb, Sc ob, const float* xs, float z, float* res);
 
 // x [M, K] rounded to 8 bits per group of ``group`` columns (d = max|x| / 127, x / d to nearest, ties to even):
 // qx [M, K], dx and the code sums sx [M, G], and on AVX2 the activation pairs (xpairs). ``finite``: every x was.

@@ -224,13 +224,13 @@ namespace qcodes {
 // mc <= MCMAX x-rows against one block: the tile run (qlinear) and qargmax both take, so a row's arithmetic is the
 // same in both (its tile's size decides its partial sums).
 template <int BITS, bool OFF>
-void tile_rows(int64_t mc, const float* xm, int64_t K, int64_t G, int64_t g, const uint8_t* cb, Sc sb, Sc ob,
-               const float* xs, float z, float* res) {
+void tile_rows(int64_t call_rows, int64_t mc, const float* xm, int64_t K, int64_t G, int64_t g, const uint8_t* cb,
+               Sc sb, Sc ob, const float* xs, float z, float* res) {
   if constexpr (AMX_CODES<BITS>) {
-    if (amx_takes<BITS>(g)) {
+    if (amx_takes<BITS>(g, call_rows)) {
       thread_local std::vector<uint16_t> a;
-      a.resize(3 * mc * K);
-      amx_limbs(xm, mc, K, K, BITS == 4, a.data());
+      a.resize(amx_width(g) * mc * K);
+      amx_limbs(xm, mc, K, K, g, BITS == 4, a.data());
       amx_config(mc);
       amx_rows<BITS, OFF>(mc, a.data(), K, G, cb, sb, ob, xs, z, res);
       amx_release();
@@ -251,7 +251,7 @@ void tile_rows(int64_t mc, const float* xm, int64_t K, int64_t G, int64_t g, con
 
 // The instantiations qargmax.cpp calls: every code width, with and without offsets (dispatch's cases).
 #define SELFSPEC_INSTANTIATE(BITS, OFF)                                                                         \
-  template void tile_rows<BITS, OFF>(int64_t, const float*, int64_t, int64_t, int64_t, const uint8_t*, Sc, Sc, \
+  template void tile_rows<BITS, OFF>(int64_t, int64_t, const float*, int64_t, int64_t, int64_t, const uint8_t*, Sc, Sc, \
                                      const float*, float, float*);
 SELFSPEC_EACH_CODE(SELFSPEC_INSTANTIATE)
 #undef SELFSPEC_INSTANTIATE
@@ -266,14 +266,16 @@ template <int BITS, bool OFF>
 void run_amx_chunks(const float* x, const std::vector<float>& xsum, int64_t M, int64_t K, const uint8_t* codes,
                     Scales sc, Scales of, int64_t NB, int64_t G, int64_t CB, float z, const float* bias, float* y,
                     int64_t ldy, int64_t N, bool accumulate) {
-  const int64_t chunk = std::max<int64_t>(AMX_ROWS, AMX_CHUNK_BYTES / (6 * K) / AMX_ROWS * AMX_ROWS);
+  const int64_t W = amx_width(K / G);
+  const int64_t chunk = std::max<int64_t>(AMX_ROWS, AMX_CHUNK_BYTES / (2 * W * K) / AMX_ROWS * AMX_ROWS);
   thread_local std::vector<uint16_t> limbs;  // one chunk's (kept between calls: a prefill makes hundreds)
-  limbs.resize(3 * std::min(M, chunk) * K);
+  limbs.resize(W * std::min(M, chunk) * K);
   uint16_t* a = limbs.data();
 #pragma omp parallel
   {
     float res[2][AMX_ROWS * L];
-    std::vector<uint16_t> bdec(2 * G * 16 * 32 + 32);
+    thread_local std::vector<uint16_t> bdec;  // a pair of blocks' B tiles (kept: fresh pages cost their zeroing)
+    bdec.resize(std::max<size_t>(bdec.size(), 2 * G * 16 * 32 + 32));
     uint16_t* bp = (uint16_t*)(((uintptr_t)bdec.data() + 63) & ~(uintptr_t)63);
     uint16_t* bq = bp + G * 16 * 32;
     int64_t configured = 0;
@@ -281,19 +283,19 @@ void run_amx_chunks(const float* x, const std::vector<float>& xsum, int64_t M, i
       const int64_t c1 = std::min(M, c0 + chunk);
 #pragma omp for schedule(static)
       for (int64_t t = c0; t < c1; t += AMX_ROWS)  // the chunk's limbs, a tile of rows at a time
-        amx_limbs(x + t * K, std::min<int64_t>(AMX_ROWS, c1 - t), K, K, BITS == 4, a + 3 * (t - c0) * K);
+        amx_limbs(x + t * K, std::min<int64_t>(AMX_ROWS, c1 - t), K, K, K / G, BITS == 4, a + W * (t - c0) * K);
 #pragma omp for schedule(static)
       for (int64_t p = 0; p < (NB + 1) / 2; ++p) {  // blocks in pairs: they share the limbs' tile loads
         const int64_t b = 2 * p, nb = std::min<int64_t>(2, NB - b);
         const auto [sb, ob] = block_scales(sc, of, b, G);
         const BlockSc next = nb == 2 ? block_scales(sc, of, b + 1, G, 1) : BlockSc{};
-        amx_decode<BITS>(codes + b * G * CB, G, z, bp);
-        if (nb == 2) amx_decode<BITS>(codes + (b + 1) * G * CB, G, z, bq);
+        amx_decode<BITS>(codes + b * G * CB, G, K / G, z, bp);
+        if (nb == 2) amx_decode<BITS>(codes + (b + 1) * G * CB, G, K / G, z, bq);
         for (int64_t m0 = c0; m0 < c1; m0 += AMX_ROWS) {
           const int64_t mc = std::min<int64_t>(c1 - m0, AMX_ROWS);
           if (mc != configured) amx_config(configured = mc);
           const float* xs = xsum.empty() ? nullptr : xsum.data() + m0 * G;
-          const uint16_t* am = a + 3 * (m0 - c0) * K;
+          const uint16_t* am = a + W * (m0 - c0) * K;
           if (nb == 2) amx_rows2_pre<BITS, OFF>(mc, am, K, G, bp, sb, ob, bq, next.s, next.o, xs, res[0], res[1]);
           else amx_rows_pre<BITS, OFF>(mc, am, K, G, bp, sb, ob, xs, res[0]);
           for (int64_t i = 0; i < nb; ++i) {
@@ -317,8 +319,8 @@ void run_amx(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales 
     run_amx_chunks<BITS, OFF>(x, xsum, M, K, codes, sc, of, NB, G, CB, z, bias, y, ldy, N, accumulate);
     return;
   }
-  std::vector<uint16_t> a(3 * M * K);
-  amx_limbs(x, M, K, K, BITS == 4, a.data());
+  std::vector<uint16_t> a(amx_width(g) * M * K);
+  amx_limbs(x, M, K, K, g, BITS == 4, a.data());
 #pragma omp parallel
   {
     float res[2][AMX_ROWS * L];
@@ -335,7 +337,7 @@ void run_amx(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales 
         const int64_t mc = std::min<int64_t>(M - m0, AMX_ROWS);
         if (mc != configured) amx_config(configured = mc);
         const float* xs = xsum.empty() ? nullptr : xsum.data() + m0 * G;
-        const uint16_t* am = a.data() + 3 * m0 * K;
+        const uint16_t* am = a.data() + amx_width(g) * m0 * K;
         if (nb == 2) {
           amx_rows2<BITS, OFF>(mc, am, K, G, cb, sb, ob, cb + G * CB, next.s, next.o, xs, z, res[0], res[1]);
         } else {
@@ -356,7 +358,7 @@ template <int BITS, bool OFF>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales sc, Scales of, int64_t NB,
          int64_t G, int64_t g, float z, const float* bias, float* y, int64_t ldy, int64_t N, bool accumulate) {
   if constexpr (AMX_CODES<BITS>) {
-    if (amx_takes<BITS>(g)) {
+    if (amx_takes<BITS>(g, M)) {
       run_amx<BITS, OFF>(x, M, K, codes, sc, of, NB, G, g, z, bias, y, ldy, N, accumulate);
       return;
     }
@@ -380,7 +382,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, Scales sc, 
       const int64_t mc = std::min<int64_t>(left, MCMAX);
       const float* xm = x + m0 * K;
       const float* xs = xsum.empty() ? nullptr : xsum.data() + m0 * G;
-      tile_rows<BITS, OFF>(mc, xm, K, G, g, cb, sb, ob, xs, z, res);
+      tile_rows<BITS, OFF>(M, mc, xm, K, G, g, cb, sb, ob, xs, z, res);
       store_tile(res, mc, y + m0 * ldy + b * L, ldy, rows, bias ? bias + b * L : nullptr, accumulate);
       m0 += mc;
     }

@@ -1,11 +1,10 @@
 // The exact decoding kernel on Intel AMX tiles for 4- and 5-bit codes in groups of 32 (Q4_0, Q4_1, Q4_K, Q5_0,
-// Q5_1, Q5_K): qlinear's
-// arithmetic class (float32 activations times the dequantized weights, float32 sums) with the group sums on the
+// Q5_1, Q5_K) and bytes in groups of 32 or 16 (Q8_0, Q6_K): qlinear's arithmetic class (float32 activations times the dequantized weights, float32 sums) with the group sums on the
 // matrix unit. qlinear.cpp's run and tile_rows call it where amx_on() (qcodes.h declares what is shared).
 //
 // Limbs. Each float32 activation is split into three bfloat16 limbs, x = x0 + x1 + x2 exactly (x0 = bf16(x) rounded
 // to nearest, x1 = bf16(x - x0), x2 = x - x0 - x1: 8 + 8 + 8 significant bits cover float32's 24, and each
-// difference is exact in float32). A code's value q - z (at most 5 bits) is exact in bfloat16, so every product
+// difference is exact in float32). A code's value q - z (at most 8 bits) is exact in bfloat16, so every product
 // limb x code is exact, and TDPBF16PS sums them in float32. A group's sum accumulates its three limbs' products in
 // one tile, limb after limb, and
 //     y += s_g * S_g  (- o_g * sum_{k in g} x_k)      in group order, as tile_lookup forms it (qlinear.cpp)
@@ -15,7 +14,8 @@
 // call, pair of blocks or tile it falls in.
 //
 // Tiles (one 16-output block, one group of 32 columns, one limb at a time):
-//     A  # [mc, 32] bf16       the x-rows' limb l of the group (amx_limbs: [G, 3, mc, 32] a tile of mc <= 16 rows)
+//     A  # [mc, 32] bf16       the x-rows' limb l of the group (amx_limbs: [G, 3, mc, 32] a tile of mc <= 16 rows;
+//                              groups of 16: two limbs side by side, [G, 2, mc, 32])
 //     B  # [16, 16 x 2] bf16   the block's codes in pairs of columns: row p holds two columns of each output row
 //     C  # [mc, 16] fp32       sum over the limbs of A B^T, stored and scaled per x-row with the group's scale
 // Tiles per group: each limb's A (tmm4, 5) against the block's B (tmm6; a pair of blocks shares the limbs' loads,
@@ -114,6 +114,18 @@ struct ShiftIndex {
 };
 const ShiftIndex shift_index;
 
+// vpermb's byte indices that make B rows 2c, 2c + 1 from bytes' vectors 4c .. 4c + 3 (vector k: column k's 16 rows):
+// byte 2n + h of row 2c + i is row n's byte of column 4c + 2i + h.
+struct BytePairIndex {
+  alignas(64) uint8_t v[64];
+  BytePairIndex() {
+    for (int i = 0; i < 2; ++i)
+      for (int n = 0; n < 16; ++n)
+        for (int h = 0; h < 2; ++h) v[32 * i + 2 * n + h] = (uint8_t)(32 * i + 16 * h + n);
+  }
+};
+const BytePairIndex byte_pairs;
+
 // One group's B tile: 16 rows of 32 bf16 values, each output row's pair of columns in one dword; vpermw reads
 // each value from a 32-entry table by its word's low five bits (a code's value q - z is exact in bfloat16).
 //   4 bits: from vectors 4c .. 4c + 3 (byte r of vector p = q[r][2p] | q[r][2p + 1] << 4), vpermb pairs vector
@@ -123,9 +135,28 @@ const ShiftIndex shift_index;
 //           (amx_limbs with swap: 0 2 1 3 in every four).
 //   5 bits: the words layout (qcodes.h); vpmultishiftqb takes each row's pair of 5-bit codes out of its word, so
 //           the columns stay in order (rows 0-14: columns 0-29 in pairs, row 15: the spare bits' columns 30, 31).
+//   8 bits: vectors of bytes, one a column (g of them); vpermb pairs columns 2p, 2p + 1 of each row, and the code's
+//           value q - 128 (the bytes' zero point, formats.py) goes through int32 and float32 to bf16, exactly. A
+//           group of 16 fills rows 0-7 and repeats them in rows 8-15: its A tiles hold two limbs side by side.
 template <int BITS>
-inline void decode_b(const uint8_t* cg, uint16_t* out, __m512i table) {
-  if constexpr (BITS == 4) {
+inline void decode_b(const uint8_t* cg, uint16_t* out, __m512i table, int64_t g) {
+  if constexpr (BITS == 8) {
+    const __m512i idx = _mm512_load_si512(byte_pairs.v), flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t c = 0; c < g / 4; ++c) {
+      const __m512i v = _mm512_xor_si512(_mm512_permutexvar_epi8(idx, _mm512_loadu_si512(cg + 64 * c)), flip);
+      const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, 0)));
+      const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, 1)));
+      const __m512 f2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, 2)));
+      const __m512 f3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, 3)));
+      const __m512i r0 = (__m512i)_mm512_cvtne2ps_pbh(f1, f0), r1 = (__m512i)_mm512_cvtne2ps_pbh(f3, f2);
+      _mm512_store_si512(out + 32 * (2 * c), r0);
+      _mm512_store_si512(out + 32 * (2 * c + 1), r1);
+      if (g == 16) {
+        _mm512_store_si512(out + 32 * (2 * c + 8), r0);
+        _mm512_store_si512(out + 32 * (2 * c + 9), r1);
+      }
+    }
+  } else if constexpr (BITS == 4) {
     for (int c = 0; c < 4; ++c) {
       const __m512i x = _mm512_loadu_si512(cg + 64 * c);
       for (int h = 0; h < 2; ++h) {
@@ -154,27 +185,29 @@ struct TileConfig {
 };
 
 // Group j's sums of NBK output blocks (one or two: a pair shares the limbs' tile loads) into C of parity P and block
-// i (tmm 2P + i), stored to cbuf[i] (16 floats a row): the three limbs' tiles (tmm4, tmm5, tmm4 again; in the limbs
-// buffer one after another per group) against block i's B tile (tmm 6 + i), accumulated in C in limb order, so a
-// row's sums are the same whatever the pairing. The tile numbers must be literals (GCC's AMX intrinsics name the
-// register in their assembly).
+// i (tmm 2P + i), stored to cbuf[i] (16 floats a row): the group's LT limb tiles (tmm4, tmm5, tmm4 again; in the
+// limbs buffer one after another per group: three for groups of 32, two for groups of 16) against block i's B tile
+// (tmm 6 + i), accumulated in C in limb order, so a row's sums are the same whatever the pairing. The tile numbers
+// must be literals (GCC's AMX intrinsics name the register in their assembly).
 #define SELFSPEC_AMX_GROUP(C0, C1)                                 \
   _tile_loadd(6, bbuf[0], 64);                                     \
   if constexpr (NBK == 2) _tile_loadd(7, bbuf[1], 64);             \
   _tile_zero(C0);                                                  \
   if constexpr (NBK == 2) _tile_zero(C1);                          \
-  _tile_loadd(4, a + (3 * j) * tile, 64);                            \
+  _tile_loadd(4, a + (LT * j) * tile, 64);                           \
   _tile_dpbf16ps(C0, 4, 6);                                        \
   if constexpr (NBK == 2) _tile_dpbf16ps(C1, 4, 7);                \
-  _tile_loadd(5, a + (3 * j + 1) * tile, 64);                        \
+  _tile_loadd(5, a + (LT * j + 1) * tile, 64);                       \
   _tile_dpbf16ps(C0, 5, 6);                                        \
   if constexpr (NBK == 2) _tile_dpbf16ps(C1, 5, 7);                \
-  _tile_loadd(4, a + (3 * j + 2) * tile, 64);                        \
-  _tile_dpbf16ps(C0, 4, 6);                                        \
-  if constexpr (NBK == 2) _tile_dpbf16ps(C1, 4, 7);                \
+  if constexpr (LT == 3) {                                         \
+    _tile_loadd(4, a + (LT * j + 2) * tile, 64);                   \
+    _tile_dpbf16ps(C0, 4, 6);                                      \
+    if constexpr (NBK == 2) _tile_dpbf16ps(C1, 4, 7);              \
+  }                                                                \
   _tile_stored(C0, cbuf[0], 64);                                   \
   if constexpr (NBK == 2) _tile_stored(C1, cbuf[1], 64);
-template <int NBK, int P>
+template <int NBK, int P, int LT>
 inline void group_tiles(const uint16_t* a, int64_t tile, int64_t j, const uint16_t* const* bbuf, float* const* cbuf) {
   if constexpr (P == 0) {
     SELFSPEC_AMX_GROUP(0, 1)
@@ -216,12 +249,15 @@ inline __m512i code_table(float z) {  // vpermw's table: code i -> bf16(i - z) (
 
 // PRE: each block's B tiles were decoded beforehand (amx_decode: pre[i] # [G, 16 * 32]), as a prefill's many tiles
 // of x-rows share them; else each group's tile is decoded here, two groups ahead.
-template <int BITS, bool OFF, int NBK, bool PRE>
-void rows_amx(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const Block* blk, const float* xs, float z,
+// LT: a group's limb tiles (3: groups of 32; 2: groups of 16, bytes only)
+template <int BITS, bool OFF, int NBK, bool PRE, int LT>
+void rows_amx(int64_t mc, const uint16_t* a, int64_t G, const Block* blk, const float* xs, float z,
               const uint16_t* const* pre) {
-  constexpr int64_t CB = BITS == 4 ? 256 : 320;  // bytes of a group of 16 x 32 codes
-  const __m512i table = PRE ? __m512i{} : code_table<BITS>(z);
-  const int64_t tile = mc * 32;  // elements of one limb's A tile (amx_limbs: [G, 3, mc, 32])
+  constexpr int64_t g = LT == 3 ? 32 : 16;
+  static_assert(LT == 3 || BITS == 8, "groups of 16 are bytes'");
+  constexpr int64_t CB = BITS == 8 ? 16 * g : BITS == 4 ? 256 : 320;  // bytes of a group of 16 x g codes
+  const __m512i table = PRE || BITS == 8 ? __m512i{} : code_table<BITS>(z);
+  const int64_t tile = mc * 32;  // elements of one limb tile (amx_limbs: [G, LT, mc, 32])
   alignas(64) uint16_t bbuf[NBK][PRE ? 1 : 4][16 * 32];
   alignas(64) float cbuf[2][NBK][16 * 16];
   __m512 acc[NBK][16];
@@ -230,7 +266,7 @@ void rows_amx(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const Block* 
   constexpr int64_t LEAD = 2;
   if constexpr (!PRE)
     for (int64_t j = 0; j < LEAD && j < G; ++j)
-      for (int i = 0; i < NBK; ++i) decode_b<BITS>(blk[i].cb + j * CB, bbuf[i][j % 4], table);
+      for (int i = 0; i < NBK; ++i) decode_b<BITS>(blk[i].cb + j * CB, bbuf[i][j % 4], table, g);
   for (int64_t j = 0; j < G; ++j) {
     const uint16_t* bj[NBK];
     float* cj[NBK];
@@ -240,14 +276,14 @@ void rows_amx(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const Block* 
         bj[i] = pre[i] + j * 16 * 32;
       } else {
         prefetch_group<OFF>(blk[i].cb, CB, blk[i].sc, blk[i].of, j);
-        if (j + LEAD < G) decode_b<BITS>(blk[i].cb + (j + LEAD) * CB, bbuf[i][(j + LEAD) % 4], table);
+        if (j + LEAD < G) decode_b<BITS>(blk[i].cb + (j + LEAD) * CB, bbuf[i][(j + LEAD) % 4], table, g);
         bj[i] = bbuf[i][j % 4];
       }
       cj[i] = cbuf[j % 2][i];
       cprev[i] = cbuf[1 - j % 2][i];
     }
-    if (j % 2 == 0) group_tiles<NBK, 0>(a, tile, j, bj, cj);
-    else group_tiles<NBK, 1>(a, tile, j, bj, cj);
+    if (j % 2 == 0) group_tiles<NBK, 0, LT>(a, tile, j, bj, cj);
+    else group_tiles<NBK, 1, LT>(a, tile, j, bj, cj);
     if (j > 0)
       for (int i = 0; i < NBK; ++i) extract<OFF>(mc, cprev[i], blk[i].sc, blk[i].of, xs, G, j - 1, acc[i]);
   }
@@ -257,24 +293,43 @@ void rows_amx(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const Block* 
   }
 }
 
+// rows_amx for a weight's group width (K / G: 32, or 16 for Q6_K's bytes)
+template <int BITS, bool OFF, int NBK, bool PRE>
+void rows_amx_g(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const Block* blk, const float* xs, float z,
+                const uint16_t* const* pre) {
+  if constexpr (BITS == 8) {
+    if (K == 16 * G) return rows_amx<BITS, OFF, NBK, PRE, 2>(mc, a, G, blk, xs, z, pre);
+  }
+  rows_amx<BITS, OFF, NBK, PRE, 3>(mc, a, G, blk, xs, z, pre);
+}
+
 }  // namespace
 
-void amx_limbs(const float* x, int64_t M, int64_t K, int64_t ldx, bool swap, uint16_t* out) {
+void amx_limbs(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t g, bool swap, uint16_t* out) {
   const __m512i order = swap ? _mm512_set_epi32(15, 13, 14, 12, 11, 9, 10, 8, 7, 5, 6, 4, 3, 1, 2, 0)
                              : _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int64_t W = amx_width(g);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t t0 = m / AMX_ROWS * AMX_ROWS, mc = std::min<int64_t>(AMX_ROWS, M - t0);
-    uint16_t* ot = out + t0 * 3 * K + (m - t0) * 32;  // row m's tile, row m - t0 of each of its A tiles
+    uint16_t* ot = out + t0 * W * K + (m - t0) * 32;  // row m's tile, row m - t0 of each of its A tiles
     for (int64_t k = 0; k < K; k += 16) {
       const __m512 v = _mm512_permutexvar_ps(order, _mm512_loadu_ps(x + m * ldx + k));
       const __m256i h0 = to_bf16(v);
       const __m512 r1 = _mm512_sub_ps(v, widen_bf16(h0));
       const __m256i h1 = to_bf16(r1);
       const __m256i h2 = to_bf16(_mm512_sub_ps(r1, widen_bf16(h1)));
-      uint16_t* o = ot + (k / 32) * 3 * mc * 32 + k % 32;  // group k / 32: limbs 0, 1, 2 (one A tile each)
-      _mm256_storeu_si256((__m256i*)o, h0);
-      _mm256_storeu_si256((__m256i*)(o + mc * 32), h1);
-      _mm256_storeu_si256((__m256i*)(o + 2 * mc * 32), h2);
+      if (g == 16) {  // group k / 16: x0 | x1 in one tile, x2 | zeros in the next
+        uint16_t* o = ot + (k / 16) * 2 * mc * 32;
+        _mm256_storeu_si256((__m256i*)o, h0);
+        _mm256_storeu_si256((__m256i*)(o + 16), h1);
+        _mm256_storeu_si256((__m256i*)(o + mc * 32), h2);
+        _mm256_storeu_si256((__m256i*)(o + mc * 32 + 16), _mm256_setzero_si256());
+      } else {  // group k / 32: limbs 0, 1, 2 (one A tile each)
+        uint16_t* o = ot + (k / 32) * 3 * mc * 32 + k % 32;
+        _mm256_storeu_si256((__m256i*)o, h0);
+        _mm256_storeu_si256((__m256i*)(o + mc * 32), h1);
+        _mm256_storeu_si256((__m256i*)(o + 2 * mc * 32), h2);
+      }
     }
   }
 }
@@ -299,48 +354,53 @@ void amx_release() { _tile_release(); }
 template <int BITS, bool OFF>
 void amx_rows(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_t* cb, Sc sc, Sc of,
               const float* xs, float z, float* res) {
-  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
+  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes and bytes");
   const Block blk[1] = {{cb, sc, of, res}};
-  rows_amx<BITS, OFF, 1, false>(mc, a, K, G, blk, xs, z, nullptr);
+  rows_amx_g<BITS, OFF, 1, false>(mc, a, K, G, blk, xs, z, nullptr);
 }
 
 template <int BITS>
-void amx_decode(const uint8_t* cb, int64_t G, float z, uint16_t* out) {
-  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
-  constexpr int64_t CB = BITS == 4 ? 256 : 320;
-  const __m512i table = code_table<BITS>(z);
-  for (int64_t j = 0; j < G; ++j) decode_b<BITS>(cb + j * CB, out + j * 16 * 32, table);
+void amx_decode(const uint8_t* cb, int64_t G, int64_t g, float z, uint16_t* out) {
+  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes and bytes");
+  const int64_t CB = group_bytes(BITS, g);
+  const __m512i table = BITS == 8 ? __m512i{} : code_table<BITS>(z);
+  const char* end = (const char*)(cb + G * CB);
+  for (int64_t j = 0; j < G; ++j) {
+    for (int64_t o = 0; o < CB; o += 64)  // the codes a few groups on (they stream from memory once a call)
+      if ((const char*)cb + (j + 8) * CB + o < end) _mm_prefetch((const char*)cb + (j + 8) * CB + o, _MM_HINT_T0);
+    decode_b<BITS>(cb + j * CB, out + j * 16 * 32, table, g);
+  }
 }
 
 template <int BITS, bool OFF>
 void amx_rows_pre(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint16_t* b, Sc sc, Sc of,
                   const float* xs, float* res) {
-  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
+  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes and bytes");
   const Block blk[1] = {{nullptr, sc, of, res}};
   const uint16_t* pre[1] = {b};
-  rows_amx<BITS, OFF, 1, true>(mc, a, K, G, blk, xs, 0.f, pre);
+  rows_amx_g<BITS, OFF, 1, true>(mc, a, K, G, blk, xs, 0.f, pre);
 }
 
 template <int BITS, bool OFF>
 void amx_rows2_pre(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint16_t* b0, Sc sc0, Sc of0,
                    const uint16_t* b1, Sc sc1, Sc of1, const float* xs, float* res0, float* res1) {
-  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
+  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes and bytes");
   const Block blk[2] = {{nullptr, sc0, of0, res0}, {nullptr, sc1, of1, res1}};
   const uint16_t* pre[2] = {b0, b1};
-  rows_amx<BITS, OFF, 2, true>(mc, a, K, G, blk, xs, 0.f, pre);
+  rows_amx_g<BITS, OFF, 2, true>(mc, a, K, G, blk, xs, 0.f, pre);
 }
 
 template <int BITS, bool OFF>
 void amx_rows2(int64_t mc, const uint16_t* a, int64_t K, int64_t G, const uint8_t* cb0, Sc sc0, Sc of0,
                const uint8_t* cb1, Sc sc1, Sc of1, const float* xs, float z, float* res0, float* res1) {
-  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes");
+  static_assert(AMX_CODES<BITS>, "AMX tiles take 4- and 5-bit codes and bytes");
   const Block blk[2] = {{cb0, sc0, of0, res0}, {cb1, sc1, of1, res1}};
-  rows_amx<BITS, OFF, 2, false>(mc, a, K, G, blk, xs, z, nullptr);
+  rows_amx_g<BITS, OFF, 2, false>(mc, a, K, G, blk, xs, z, nullptr);
 }
 
 #else  // no AMX in this build: amx_on() is false and nothing below runs
 
-void amx_limbs(const float*, int64_t, int64_t, int64_t, bool, uint16_t*) {}
+void amx_limbs(const float*, int64_t, int64_t, int64_t, int64_t, bool, uint16_t*) {}
 void amx_config(int64_t) {}
 void amx_release() {}
 template <int BITS, bool OFF>
@@ -352,7 +412,7 @@ template <int BITS, bool OFF>
 void amx_rows2_pre(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, Sc, Sc, const uint16_t*, Sc, Sc,
                    const float*, float*, float*) {}
 template <int BITS>
-void amx_decode(const uint8_t*, int64_t, float, uint16_t*) {}
+void amx_decode(const uint8_t*, int64_t, int64_t, float, uint16_t*) {}
 template <int BITS, bool OFF>
 void amx_rows_pre(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, Sc, Sc, const float*, float*) {}
 
@@ -367,9 +427,10 @@ void amx_rows_pre(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, S
                                          const uint16_t*, Sc, Sc, const float*, float*, float*);                 \
   template void amx_rows_pre<BITS, OFF>(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, Sc, Sc,    \
                                         const float*, float*);
-SELFSPEC_INSTANTIATE(4, false) SELFSPEC_INSTANTIATE(4, true) SELFSPEC_INSTANTIATE(5, false) SELFSPEC_INSTANTIATE(5, true)
+SELFSPEC_EACH_CODE(SELFSPEC_INSTANTIATE)
 #undef SELFSPEC_INSTANTIATE
-template void amx_decode<4>(const uint8_t*, int64_t, float, uint16_t*);
-template void amx_decode<5>(const uint8_t*, int64_t, float, uint16_t*);
+template void amx_decode<4>(const uint8_t*, int64_t, int64_t, float, uint16_t*);
+template void amx_decode<5>(const uint8_t*, int64_t, int64_t, float, uint16_t*);
+template void amx_decode<8>(const uint8_t*, int64_t, int64_t, float, uint16_t*);
 
 }  // namespace qcodes

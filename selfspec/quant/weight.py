@@ -62,24 +62,27 @@ PREFILL_PATHS = ("kernel", "panels", "torch")
 # panels would be decided by the host's noise, and a noisy probe could turn the prefix cache off.
 PANELS_MARGIN = 0.9
 PROBE = (4096, 1024, 256)  # the probe weight of each type: N, K, x-rows
-_prefill_paths: dict[str, str] = {}  # this process's answers by weight type
+_prefill_paths: dict[tuple[str, str], str] = {}  # this process's answers by weight type and matrix unit
 
 
 def prefill_path(type_name: str) -> str:
     """How ``matmul`` multiplies PANEL_ROWS or more x-rows by a weight of ``type_name`` on this machine: "kernel",
     "panels" or "torch" (PREFILL_PATHS), whichever was fastest on a PROBE weight of that type. Timed once per
     machine (its CPU, torch, thread count and kernels) and cached in ``cache_root()/prefill``."""
-    if type_name not in _prefill_paths:
-        _prefill_paths[type_name] = _measured_prefill_path(type_name)
-    return _prefill_paths[type_name]
+    key = (type_name, matrix_unit())
+    if key not in _prefill_paths:
+        _prefill_paths[key] = _measured_prefill_path(type_name)
+    return _prefill_paths[key]
 
 
 def kernel_rows_independent(type_name: str) -> bool:
     """Whether the decoding kernel gives a row of ``type_name`` the same bits in any call, as the panels do: on AMX
-    tiles (4- and 5-bit codes in groups of 32; ``matrix_unit``) each row's sums are its own. The FMA kernels' partial
-    sums follow the tile a row falls in."""
+    tiles (4- and 5-bit codes in groups of 32, bytes in groups of 16 or 32; ``matrix_unit``) each row's sums are its
+    own, for bytes in calls of more than 16 rows (a prefill's PANEL_ROWS or more). The FMA kernels' partial sums
+    follow the tile a row falls in."""
     fmt = FORMATS[type_name]
-    return matrix_unit() == "amx" and fmt.bits in (4, 5) and fmt.group == 32
+    tiles = (fmt.bits in (4, 5) and fmt.group == 32) or (fmt.bits == 8 and fmt.group in (16, 32))
+    return tiles and matrix_unit() == "amx"
 
 
 def _measured_prefill_path(type_name: str) -> str:
