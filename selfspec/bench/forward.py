@@ -15,7 +15,11 @@ counted even when tied to the embedding) over the time. The machine's memory rea
 measured here too (``measure_bandwidth``), so each figure is also a fraction of it and has a
 "floor": the ms the range would take if it only streamed its weights at that bandwidth. On a CPU
 at batch 1 a forward is bandwidth bound, so t(n) / t(1) well below n is what makes verifying a
-block of drafts cheap; these figures show how far from that each backend is.
+block of drafts cheap; these figures show how far from that each backend is. The other bound is the
+multiplies: ``measure_peaks`` times a register-only loop of each multiply instruction (kernels/peak.cpp),
+so each figure's GFLOP/s is also a fraction of the float32 FMA peak the exact kernels sum on, and the
+report names what float32-accurate limbs (three per activation) could reach on this CPU's int8, bf16 and
+AMX units.
 
 The report (selfspec.bench.forward_report) ends with the resident memory after load and what it is made of
 (selfspec.bench.forward_memory: runtime, packed weights, float parameters, exit head, KV caches), checked against
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -50,6 +55,7 @@ from selfspec.heads.io import bundled_head_dir, read_head_config
 from selfspec.kernels.build import matrix_unit
 from selfspec.memory import resident_mb
 from selfspec.models.split import BACKENDS, SplitModel
+from selfspec.prefix_cache import MIN_ROWS
 from selfspec.progress import announce, progress
 from selfspec.timing import time_call
 
@@ -69,6 +75,9 @@ class ForwardBenchConfig:
     backends: list[str] = opt(["fast", "reference"], "Forward backends to time ('fast', 'reference').")
     reps: int = opt(8, "Timed repetitions per figure (the lower quartile is kept), after 2 warm-up calls.")
     bandwidth_mb: int = opt(256, "Size (MB) of the float32 tensor whose sum() measures memory read bandwidth.")
+    prefill_tokens: list[int] = opt([128, 512], "Prompt lengths whose prefill (an empty cache, the LM head on the "
+                                                "last row) is timed per backend ([]: none).")
+    prefill_reps: int = opt(3, "Timed repetitions per prefill figure (the median is kept), after one warm-up.")
     out: str = opt("runs/bench-forward.json", "Where to write the results (JSON).")
     plot: str | None = opt(None, "Where to write the plot (PNG) of the first context (None: beside --out, its "
                                  "name with .png); '' for none.")
@@ -90,6 +99,62 @@ def measure_bandwidth(mb: int = 256, reps: int = 10) -> float:
     x = torch.ones(max(1, mb * 2**20 // 4), dtype=torch.float32)
     seconds = time_call(lambda: x.sum(), reps)
     return x.numel() * x.element_size() / seconds / GB
+
+
+PEAK_KINDS = {"fma_f32": 0, "vnni_int8": 1, "bf16_dot": 2, "amx_bf16": 3}  # kernels/peak.cpp's kinds
+LIMBS = 3  # a float32-accurate product from bf16 or int8 multiplies: three limbs of the activation
+
+
+def measure_peaks(threads: int, seconds: float = 0.2) -> dict[str, float]:
+    """GFLOP/s (two per multiply-add) of a register-only loop of each multiply instruction on ``threads`` threads
+    (kernels/peak.cpp): ``fma_f32``, what the exact kernels sum on; ``vnni_int8``, ``bf16_dot``, ``amx_bf16`` as
+    float32-accurate products, i.e. the instruction's rate over ``LIMBS`` (0: the build or CPU lacks it). ``{}``
+    without the compiled kernels."""
+    from selfspec.kernels.build import cpu_extension
+
+    ext = cpu_extension()
+    if ext is None or not hasattr(ext, "compute_peak"):
+        return {}
+    out = {}
+    for name, kind in PEAK_KINDS.items():
+        rate = 2 * ext.compute_peak(kind, seconds, threads) / 1e9
+        out[name] = rate if kind == 0 else rate / LIMBS
+    return out
+
+
+@torch.inference_mode()
+def time_prefills(splits: dict[str, SplitModel], lengths: list[int], reps: int) -> dict[tuple[str, int], float]:
+    """Seconds of a prefill of each length per backend, from an empty cache: every layer over the prompt and the
+    LM head on its last row. The fast backend runs it as plain decoding's prefill does (the last layer's attention
+    and MLP on the last MIN_ROWS rows only: ``Engine.prefill_tail``), the reference as transformers' forward with
+    ``logits_to_keep=1`` (every row through every layer). Backends and lengths alternate within each repetition
+    (a slow spell falls on all alike); the median of ``reps`` per figure, after one warm-up."""
+    g = torch.Generator().manual_seed(0)
+    calls = {}
+    for n in lengths:
+        any_split = next(iter(splits.values()))
+        ids = torch.randint(0, any_split.vocab_size, (1, n), generator=g)
+        pos = torch.arange(n)[None]
+        for b, split in splits.items():
+            cache = split.new_cache(n)
+            tail = min(n, MIN_ROWS) if b == "fast" else None
+
+            def call(split: SplitModel = split, cache: Any = cache, ids: torch.Tensor = ids, pos: torch.Tensor = pos,
+                     tail: int | None = tail) -> None:
+                h = split.run_layers(split.embed(ids.to(split.device)), 0, split.num_layers, pos.to(split.device),
+                                     cache, tail=tail)
+                split.logits(h[:, -1:])
+                cache.truncate(0)
+
+            calls[b, n] = call
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
+    for rep in range(reps + 1):
+        for key, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            if rep:  # the first pass warms up
+                times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(ts) for key, ts in times.items()}
 
 
 @torch.inference_mode()
@@ -166,8 +231,10 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
     nweights = range_weights(ss.split, head, k)
     machine = machine_info()
     bandwidth = measure_bandwidth(cfg.bandwidth_mb)
-    dtype = str(ss.split.dtype).removeprefix("torch.")
     threads = torch.get_num_threads()
+    peaks = measure_peaks(threads)
+    fma_peak = peaks.get("fma_f32") or float("nan")
+    dtype = str(ss.split.dtype).removeprefix("torch.")
     spans = {"full": (0, L, True), "greedy": (0, L, True), "shallow": (0, k, False), "deep": (k, L, True)}
 
     bar = progress(total=len(cfg.backends) * (len(cfg.contexts) * 4 + 1) * len(sizes), desc="bench-forward",
@@ -187,6 +254,8 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
                                         greedy=name == "greedy").items():
                     seconds[b, c, name, n] = t
                 bar.update(len(sizes))
+    bar.set_postfix_str("prefills")
+    prefills = time_prefills(splits, cfg.prefill_tokens, cfg.prefill_reps) if cfg.prefill_tokens else {}
     bar.close()
 
     figures = []
@@ -205,6 +274,7 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
                         "lm_head": None if span is None else span[2], "n": n,
                         "ms": t * 1e3, "ratio": t / t1, "bytes": nbytes[name], "gbps": gbps,
                         "gflops": 2 * n * nweights[name] / t / 1e9,
+                        "fma_peak_fraction": 2 * n * nweights[name] / t / 1e9 / fma_peak,
                         "bandwidth_fraction": gbps / bandwidth, "floor_ms": nbytes[name] / (bandwidth * GB) * 1e3,
                         "exit_layer": k, "dtype": dtype, "threads": threads, "cpu": machine["cpu"],
                         "torch": torch.__version__,
@@ -217,11 +287,16 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
         "kernels": {b: s.kernel for b, s in splits.items()}, "numerics": ss.split.numerics.name, "matrix_unit": matrix_unit(), "block_sizes": sizes,
         "memory": {**memory, "weights_mb": nbytes["full"] / MIB},
         "quantized_kernels": kernel_figures(ss, sizes, cfg.reps, bandwidth) if ss.split.quantized else [],
+        "prefill": [{"backend": b, "tokens": n, "ms": t * 1e3, "ms_per_token": t * 1e3 / n,
+                     "gflops": 2 * n * (nweights["full"] - ss.split.vocab_size * ss.split.hidden_size) / t / 1e9}
+                    for (b, n), t in prefills.items()],
         "machine": {**machine, "threads": threads, "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "bandwidth_gbps": bandwidth, "bandwidth_mb": cfg.bandwidth_mb, "bytes": nbytes,
+        "bandwidth_gbps": bandwidth, "bandwidth_mb": cfg.bandwidth_mb, "bytes": nbytes, "peaks_gflops": peaks,
         "notes": "ms: lower quartile of reps (selfspec.costs); ratio: t(n) / t(1) of the same backend, range "
-                 "and context; gbps: bytes / time; floor_ms: bytes / bandwidth_gbps. The head is timed "
+                 "and context; gbps: bytes / time; floor_ms: bytes / bandwidth_gbps; peaks_gflops: register-only loops of each multiply instruction on "
+                 "these threads (bf16 / int8 / AMX as float32-accurate products: a third of the instruction's rate), "
+                 "fma_peak_fraction: gflops / peaks_gflops.fma_f32. The head is timed "
                  "without context (selfspec.costs.time_head; n > 1: the head on n rows), its figures are "
                  "repeated under every table_context.",
         "figures": figures,

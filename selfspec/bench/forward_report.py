@@ -18,6 +18,9 @@ def format_tables(result: dict) -> str:
              f"(head '{info['head']}'), {info['dtype']}, {result['machine']['threads']} threads; "
              f"measured read bandwidth {bw:.1f} GB/s; numerics {result.get('numerics', 'exact')}; kernels: "
              + ", ".join(f"{b} = {k}" for b, k in result["kernels"].items())]
+    peaks = result.get("peaks_gflops") or {}
+    if peaks:
+        parts.append(format_peaks(peaks, result["machine"]["threads"]))
     by_ctx: dict[int, list[dict]] = {}
     for f in result["figures"]:
         by_ctx.setdefault(f["table_context"], []).append(f)
@@ -25,14 +28,17 @@ def format_tables(result: dict) -> str:
         cells = {(f["backend"], f["range"], f["n"]): f for f in figs}
         rows = list(dict.fromkeys((f["backend"], f["range"]) for f in figs))
         head = "| backend | range | " + " | ".join(f"n={n} ms (ratio)" for n in sizes) + \
-               f" | GB/s n=1 | % of bw | floor ms | GFLOP/s n={sizes[-1]} |"
-        lines = [f"\ncontext {c}:", "", head, "|" + "---|" * (len(sizes) + 6)]
+               f" | GB/s n=1 | % of bw | floor ms | GFLOP/s n={sizes[-1]} | % of FMA peak n={sizes[-1]} |"
+        lines = [f"\ncontext {c}:", "", head, "|" + "---|" * (len(sizes) + 7)]
         for b, r in rows:
             one = cells[b, r, 1]
             vals = " | ".join(f"{cells[b, r, n]['ms']:.2f} ({cells[b, r, n]['ratio']:.2f})" for n in sizes)
             lines.append(f"| {b} | {r} | {vals} | {one['gbps']:.1f} | {100 * one['bandwidth_fraction']:.0f}% "
-                         f"| {one['floor_ms']:.2f} | {cells[b, r, sizes[-1]].get('gflops', float('nan')):.0f} |")
+                         f"| {one['floor_ms']:.2f} | {cells[b, r, sizes[-1]].get('gflops', float('nan')):.0f} "
+                         f"| {_percent(cells[b, r, sizes[-1]].get('fma_peak_fraction'))} |")
         parts.append("\n".join(lines))
+    if result.get("prefill"):
+        parts.append(format_prefill(result["prefill"]))
     mem = result.get("memory")
     if mem:
         parts.append(format_memory(mem))
@@ -48,6 +54,35 @@ def format_tables(result: dict) -> str:
                 f"{cell[n]['ms']:.3f} / {cell[n]['gbps']:.1f} / {cell[n]['gflops']:.0f}" for n in sizes) + " |")
         parts.append("\n".join(lines))
     return "\n".join(parts)
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{100 * x:.0f}%"
+
+
+def format_peaks(peaks: dict, threads: int) -> str:
+    """The multiply peaks (register-only loops, bench.forward.measure_peaks) and what they bound."""
+    fma = peaks.get("fma_f32", 0.0)
+    limbs = [f"{name} {peaks[key]:.0f} ({peaks[key] / fma:.2f}x FMA)" if peaks.get(key) else f"{name} -"
+             for key, name in (("vnni_int8", "int8 VNNI"), ("bf16_dot", "bf16 dot"), ("amx_bf16", "AMX bf16 tiles"))]
+    return (f"multiply peaks on {threads} threads (register-only loops): float32 FMA {fma:.0f} GFLOP/s, what the "
+            f"exact kernels sum on; as float32-accurate products of three limbs: " + ", ".join(limbs))
+
+
+def format_prefill(prefill: list[dict]) -> str:
+    """Prefill per length and backend (an empty cache, the LM head on the last row) and reference / fast."""
+    by = {(p["backend"], p["tokens"]): p for p in prefill}
+    backends = list(dict.fromkeys(p["backend"] for p in prefill))
+    lines = ["\nprefill from an empty cache (the LM head on the last row; median of the alternating reps):", "",
+             "| tokens | " + " | ".join(f"{b} ms (GFLOP/s)" for b in backends)
+             + (" | reference / fast |" if {"fast", "reference"} <= set(backends) else " |"),
+             "|" + "---|" * (len(backends) + 1 + ({"fast", "reference"} <= set(backends)))]
+    for n in dict.fromkeys(p["tokens"] for p in prefill):
+        cells = " | ".join(f"{by[b, n]['ms']:.1f} ({by[b, n]['gflops']:.0f})" for b in backends)
+        ratio = (f" | {by['reference', n]['ms'] / by['fast', n]['ms']:.2f}x"
+                 if ("fast", n) in by and ("reference", n) in by else "")
+        lines.append(f"| {n} | {cells}{ratio} |")
+    return "\n".join(lines)
 
 
 def format_memory(mem: dict) -> str:

@@ -1,5 +1,5 @@
 """Building selfspec's CPU kernels (``_SOURCES``: gemv.cpp; the block-quantized kernels qlinear.cpp, qlinear_amx.cpp,
-qlinear_i8.cpp, qargmax.cpp, qdense.cpp, qgemm.cpp; ops.cpp, attention.cpp; step.cpp) once per source, torch and CPU.
+qlinear_i8.cpp, qargmax.cpp, qdense.cpp, qgemm.cpp; ops.cpp, attention.cpp; step.cpp; peak.cpp: the multiply peaks) once per source, torch and CPU.
 
 The extension is compiled with ``-march=native``, so the instruction set is chosen on the machine that
 runs it: AVX-512 (with its 16-row tiles) where the CPU has it, AVX2 otherwise. ``SELFSPEC_ISA=avx2``
@@ -26,7 +26,7 @@ from selfspec.progress import announce
 
 _SOURCES = [Path(__file__).with_name(n) for n in (
     "gemv.cpp", "qlinear.cpp", "qlinear_amx.cpp", "qlinear_i8.cpp", "qargmax.cpp", "qdense.cpp", "qgemm.cpp", "ops.cpp", "attention.cpp",
-    "step.cpp",
+    "step.cpp", "peak.cpp",
 )]
 _HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h", "qcodes.h")]  # part of what the build is made of (its tag), not compiled alone
 

@@ -1,6 +1,6 @@
 // The functions selfspec's CPU kernel files call across files (one extension: gemv.cpp; the block-quantized kernels
 // qlinear.cpp, qlinear_amx.cpp, qlinear_i8.cpp, qargmax.cpp, qdense.cpp, qgemm.cpp, which share qcodes.h; ops.cpp, attention.cpp;
-// step.cpp; ops.cpp binds them all to Python).
+// step.cpp; peak.cpp; ops.cpp binds them all to Python).
 #pragma once
 // Only the ATen headers the kernels use (the tensor, its factories, parallel_for): torch/extension.h pulls in most of
 // torch's headers, and compiling them dominates each file that includes it; the two files that bind to Python add
@@ -66,6 +66,9 @@ at::Tensor qdense_t(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int
                        double z, int64_t b0, int64_t b1, at::Tensor out);
 at::Tensor qdequant(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t bits, int64_t group,
                        double z, at::Tensor ids, at::Tensor out);
+
+// peak.cpp: multiply-adds a second of a register-only loop of instruction ``kind`` on ``threads`` threads (0: absent)
+double compute_peak(int64_t kind, double seconds, int64_t threads);
 
 // ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);

@@ -186,6 +186,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_i8", &qlinear_i8, "qlinear with activations rounded to 8 bits per group (int8 numerics)", nogil);
   m.def("qgemm", &qgemm, "qlinear for many rows (a prefill): panels of the weight dequantized once", nogil);
   m.def("qargmax", &qargmax, "each row's argmax of x @ W^T, screened by the int8 kernel (greedy verification)", nogil);
+  m.def("compute_peak", &compute_peak, "multiply-adds a second of a register-only loop of one multiply instruction "
+        "(0 FMA, 1 VNNI int8 dot, 2 bf16 dot, 3 AMX bf16 tiles) on n threads; 0 where absent", nogil);
   m.def("qlinear_i8_vnni", &qlinear_i8_vnni, "whether qlinear_i8 uses AVX-512 VNNI");
   m.def("amx_available", &qcodes::amx_available, "whether this build has AMX and Linux granted the tile state");
   m.def("amx_on", &qcodes::amx_on, "whether qlinear takes AMX tiles for 4- and 5-bit codes (amx_available, not turned off)");
