@@ -52,7 +52,7 @@ from selfspec.config import DraftConfig, ModelConfig, opt
 from selfspec.costs import time_blocks, time_head
 from selfspec.errors import InvalidConfigError
 from selfspec.heads.io import bundled_head_dir, read_head_config
-from selfspec.kernels.build import matrix_unit
+from selfspec.kernels.build import cpu_extension, matrix_unit
 from selfspec.memory import resident_mb
 from selfspec.models.split import BACKENDS, SplitModel
 from selfspec.prefix_cache import MIN_ROWS
@@ -110,8 +110,6 @@ def measure_peaks(threads: int, seconds: float = 0.2) -> dict[str, float]:
     (kernels/peak.cpp): ``fma_f32``, what the exact kernels sum on; ``vnni_int8``, ``bf16_dot``, ``amx_bf16`` as
     float32-accurate products, i.e. the instruction's rate over ``LIMBS`` (0: the build or CPU lacks it). ``{}``
     without the compiled kernels."""
-    from selfspec.kernels.build import cpu_extension
-
     ext = cpu_extension()
     if ext is None or not hasattr(ext, "compute_peak"):
         return {}
