@@ -33,7 +33,7 @@ namespace {
 // q[r][k .. k + 3]. vpmultishiftqb picks each byte from any bit offset of its qword (two rows' words), so the
 // four codes are one pick and a mask; where they span two words (k % 6 == 4) the last two come from the next
 // word (or S, whose codes sit at bits 0 and 5) by a second, merging pick.
-inline __m512i quad5(const vu* W, vu S, int k) {
+__attribute__((always_inline)) inline __m512i quad5(const vu* W, vu S, int k) {
   const int w = k / 6, c = k % 6;  // column k's word and slot: c is 0, 2 or 4
   const auto picks = [](int o0, int o1, int o2, int o3) {  // byte offsets in a qword: the low row's, the high row's
     uint64_t v = 0;
@@ -52,18 +52,30 @@ inline __m512i quad5(const vu* W, vu S, int k) {
   }
   return _mm512_and_si512(r, _mm512_set1_epi8(31));
 }
-// The codes of columns k .. k + 3 of a group's 16 rows as one register: dword r = q[r][k .. k + 3].
+// vpermb's byte indices that gather four columns' codes of a group's 16 rows into dword r (four_columns): for bytes
+// (16 k + r for column k of the four), and for nibble pairs (row r's byte of the first and of the second column pair,
+// each twice, before the nibbles are split). Tables at namespace scope, made once at load: a function-local static
+// has a guard that kept GCC from inlining four_columns into the one-row tile, which then called it per four columns.
+struct ColumnIndex {
+  alignas(64) uint8_t bytes[64];
+  alignas(64) uint8_t nibbles[64];
+  ColumnIndex() {
+    for (int r = 0; r < 16; ++r) {
+      for (int kk = 0; kk < 4; ++kk) bytes[4 * r + kk] = (uint8_t)(16 * kk + r);
+      nibbles[4 * r] = nibbles[4 * r + 1] = (uint8_t)r;
+      nibbles[4 * r + 2] = nibbles[4 * r + 3] = (uint8_t)(16 + r);
+    }
+  }
+};
+const ColumnIndex column_index;
+
+// The codes of columns k .. k + 3 of a group's 16 rows as one register: dword r = q[r][k .. k + 3]. Always inlined:
+// a call per four columns (with the tile's sums spilled around it) made one-row int8 calls slower than two-row ones.
 template <int BITS>
-inline __m512i four_columns(const uint8_t* c, int64_t g, int k) {
+__attribute__((always_inline)) inline __m512i four_columns(const uint8_t* c, int64_t g, int k) {
   __m512i w;
   if constexpr (BITS == 8) {
-    static const __m512i idx = [] {
-      alignas(64) uint8_t t[64];
-      for (int r = 0; r < 16; ++r)
-        for (int kk = 0; kk < 4; ++kk) t[4 * r + kk] = (uint8_t)(16 * kk + r);
-      return _mm512_load_si512(t);
-    }();
-    w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(c + k * L));
+    w = _mm512_permutexvar_epi8(_mm512_load_si512(column_index.bytes), _mm512_loadu_si512(c + k * L));
   } else if constexpr (BITS == 5) {
     (void)g;
     vu W[5];
@@ -71,15 +83,8 @@ inline __m512i four_columns(const uint8_t* c, int64_t g, int k) {
     w = quad5(W, S, k);
   } else {
     (void)g;
-    static const __m512i idx = [] {
-      alignas(64) uint8_t t[64];
-      for (int r = 0; r < 16; ++r) {
-        t[4 * r] = t[4 * r + 1] = (uint8_t)r;
-        t[4 * r + 2] = t[4 * r + 3] = (uint8_t)(16 + r);
-      }
-      return _mm512_load_si512(t);
-    }();
-    const __m512i t = _mm512_permutexvar_epi8(idx, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(c + k * 8))));
+    const __m512i t = _mm512_permutexvar_epi8(_mm512_load_si512(column_index.nibbles),
+                                              _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(c + k * 8))));
     const __m512i nib = _mm512_set1_epi8(15);
     w = _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, _mm512_and_si512(t, nib),
                                _mm512_and_si512(_mm512_srli_epi16(t, 4), nib));
