@@ -99,8 +99,8 @@ def test_measure_bandwidth() -> None:
 
 @pytest.mark.skipif(cpu_extension() is None, reason="selfspec's CPU kernels are not built here")
 def test_measure_peaks_names_what_this_cpu_has() -> None:
-    """Each multiply instruction's loop runs where the build has it and reads 0 elsewhere; the limb kinds are a
-    third of their instruction's rate (the count per loop, not a speed, is what is checked)."""
+    """Each multiply instruction's loop runs where the build has it and reads 0 elsewhere (which loops ran, not how
+    fast, is what is checked)."""
     ext = cpu_extension()
     peaks = measure_peaks(threads=1, seconds=0.01)
     assert set(peaks) == set(PEAK_KINDS)

@@ -128,10 +128,10 @@ def time_prefills(splits: dict[str, SplitModel], lengths: list[int], reps: int) 
     ``logits_to_keep=1`` (every row through every layer). Backends and lengths alternate within each repetition
     (a slow spell falls on all alike); the median of ``reps`` per figure, after one warm-up."""
     g = torch.Generator().manual_seed(0)
+    vocab = next(iter(splits.values())).vocab_size  # every backend splits the same model
     calls = {}
     for n in lengths:
-        any_split = next(iter(splits.values()))
-        ids = torch.randint(0, any_split.vocab_size, (1, n), generator=g)
+        ids = torch.randint(0, vocab, (1, n), generator=g)
         pos = torch.arange(n)[None]
         for b, split in splits.items():
             cache = split.new_cache(n)
@@ -231,7 +231,7 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
     bandwidth = measure_bandwidth(cfg.bandwidth_mb)
     threads = torch.get_num_threads()
     peaks = measure_peaks(threads)
-    fma_peak = peaks.get("fma_f32") or float("nan")
+    fma_peak = peaks.get("fma_f32") or None  # None without the compiled kernels: no fraction, not a NaN in the JSON
     dtype = str(ss.split.dtype).removeprefix("torch.")
     spans = {"full": (0, L, True), "greedy": (0, L, True), "shallow": (0, k, False), "deep": (k, L, True)}
 
@@ -272,7 +272,7 @@ def run(model_cfg: ModelConfig, cfg: ForwardBenchConfig, ss: SelfSpec | None = N
                         "lm_head": None if span is None else span[2], "n": n,
                         "ms": t * 1e3, "ratio": t / t1, "bytes": nbytes[name], "gbps": gbps,
                         "gflops": 2 * n * nweights[name] / t / 1e9,
-                        "fma_peak_fraction": 2 * n * nweights[name] / t / 1e9 / fma_peak,
+                        "fma_peak_fraction": 2 * n * nweights[name] / t / 1e9 / fma_peak if fma_peak else None,
                         "bandwidth_fraction": gbps / bandwidth, "floor_ms": nbytes[name] / (bandwidth * GB) * 1e3,
                         "exit_layer": k, "dtype": dtype, "threads": threads, "cpu": machine["cpu"],
                         "torch": torch.__version__,
