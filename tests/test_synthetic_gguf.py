@@ -25,7 +25,7 @@ def test_q4_k_m_gives_more_bits_where_llama_cpp_does():
 
 @pytest.mark.slow
 def test_a_synthetic_k_quant_gguf_loads_as_its_bytes_say(tmp_path):
-    path = write_synthetic(tmp_path / "synthetic.gguf", TINY, default_gguf_path(), seed=1)
+    path = write_synthetic(tmp_path / "new" / "synthetic.gguf", TINY, default_gguf_path(), seed=1)
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
     assert [more_bits(i, TINY.layers) for i in range(TINY.layers)] == [False, False, True]
     assert tensors["blk.2.ffn_down.weight"].tensor_type.name == "Q6_K"

@@ -88,6 +88,7 @@ def write_synthetic(path: Path, shape: Shape, tokenizer_from: Path, seed: int = 
     rng = np.random.default_rng(seed)
     s = shape
     head_dim = s.hidden // s.heads
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(path), "qwen2")
     w.add_name(f"synthetic-{s.hidden}x{s.layers}")
     w.add_block_count(s.layers)
